@@ -1,0 +1,85 @@
+"""``ddp-service`` / ``python -m service``: train, validate, env.
+
+A thin entrypoint: parse, build, train, close in ``finally``. ``@record``
+makes torchrun report the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from service.config import ConfigError, config_as_yaml, load_config
+from service.env import EnvError, WorldInfo, detect_world
+
+log = logging.getLogger("service")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddp-service", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "run a training job"), ("validate", "print the resolved config")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("config", nargs="?", help="job YAML; omitted: the embedded defaults")
+        command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                             help="override one key, e.g. --set train.lr=0.1 (repeatable)")  # fmt: skip
+    commands.add_parser("env", help="print the launcher environment this process detected, as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = os.environ if env is None else env
+    try:
+        if args.command == "env":
+            print(detect_world(env).to_json())
+            return 0
+        config = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            print(config_as_yaml(config), end="")
+            return 0
+        world = detect_world(env)
+    except (ConfigError, EnvError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return train_command(config, world)
+
+
+def _record(function):  # noqa: ANN001, ANN202
+    """torch's ``@record``, imported lazily so ``validate`` and ``env`` do not load torch."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(function)
+
+
+def train_command(config, world: WorldInfo) -> int:  # noqa: ANN001 - JobConfig, kept lazy
+    from service.logs import configure_logging
+
+    configure_logging(world.rank)
+    return _record(_train)(config, world)
+
+
+def _train(config, world: WorldInfo) -> int:  # noqa: ANN001
+    from service.distributed import init_distributed, shutdown_distributed
+    from service.train import build_job, train
+
+    dist_ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
+    try:
+        job = build_job(config, world, dist_ctx)
+        try:
+            summary = train(job)
+        finally:
+            job.roles.close()
+        log.info("done: step %d, %s %.4f, %.1f samples/s", summary["global_step"],
+                 summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
+                 summary["samples_per_second"] or 0.0)  # fmt: skip
+        return 0
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The job config: pydantic models, a YAML file, and ``--set dotted.key=value`` overrides.
+
+Every key has a default, so an empty file (or none) is a valid job: the demo.
+Unknown keys are errors, and all errors are reported together, each with its path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from service.tasks.registry import BUILTIN_TASKS
+
+_TASK_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ConfigError(ValueError):
+    """The job config is invalid; ``errors`` holds one line per problem, each with its path."""
+
+    def __init__(self, errors: list[str], source: str = "the job config") -> None:
+        self.errors = errors
+        lines = "\n".join(f"  - {error}" for error in errors)
+        super().__init__(f"{source} has {len(errors)} error(s):\n{lines}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(2, ge=1, description="Passes over the training set.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
+    lr: float = Field(0.05, gt=0)
+    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    amp: Literal["auto", "off", "bf16"] = "auto"
+    sync_batchnorm: Literal["auto", "on", "off"] = "auto"
+    strategy: Literal["ddp", "dp"] = "ddp"
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
+    progress_bar: bool = True
+
+
+class DataConfig(_Section):
+    num_workers: int = Field(0, ge=0)
+    pin_memory: bool = False
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, ge=0, description="Save every N optimizer steps; 0 turns it off.")
+    keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+
+
+class MetricsConfig(_Section):
+    port: int = Field(0, ge=0, le=65535, description="Base port; rank serves on port + LOCAL_RANK. 0 = off.")
+    host: str = "127.0.0.1"
+    tensorboard: bool = True
+
+
+class DDPConfig(_Section):
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    bucket_cap_mb: int = Field(25, ge=1)
+
+
+class DistConfig(_Section):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_seconds: int = Field(300, ge=1)
+
+
+class JobConfig(_Section):
+    task: str = "shapes-segmentation"
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    run_dir: str = "runs/demo"
+    seed: int = Field(0, ge=0)
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    ddp: DDPConfig = DDPConfig()
+    dist: DistConfig = DistConfig()
+
+    @field_validator("task")
+    @classmethod
+    def _task_reference(cls, value: str) -> str:
+        if value in BUILTIN_TASKS or _TASK_REF.match(value):
+            return value
+        names = ", ".join(sorted(BUILTIN_TASKS))
+        raise ValueError(f"unknown task {value!r}; use a built-in name ({names}) or 'package.module:function'")
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("run_dir must be a non-empty path")
+        return value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``dotted.key=value`` set; values are parsed as YAML."""
+    result: dict[str, Any] = _deep_copy(data)
+    errors = []
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key.strip():
+            errors.append(f"--set {override!r}: write it as dotted.key=value, e.g. train.lr=0.1")
+            continue
+        try:
+            _set_path(result, key.strip().split("."), yaml.safe_load(raw) if raw.strip() else raw)
+        except (TypeError, yaml.YAMLError) as exc:
+            errors.append(f"--set {override!r}: {exc}")
+    if errors:
+        raise ConfigError(errors, "The command line")
+    return result
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: _deep_copy(value) if isinstance(value, Mapping) else value for key, value in data.items()}
+
+
+def _set_path(target: dict[str, Any], path: list[str], value: Any) -> None:
+    node = target
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise TypeError(f"{'.'.join(path[: depth + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Load a YAML mapping, with errors that name the file."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read {file}: {exc.strerror or exc}"], f"The config file {file}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], f"The config file {file}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level is a {type(data).__name__}, not a mapping of keys"], f"The config file {file}")
+    return data
+
+
+def build_config(data: Mapping[str, Any], source: str = "The job config") -> JobConfig:
+    """Validate a plain mapping; every error is collected into one :class:`ConfigError`."""
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([_format_error(error) for error in exc.errors()], source) from exc
+
+
+def _format_error(error: Mapping[str, Any]) -> str:
+    path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key; check the spelling against the README's config reference"
+    elif "input" in error and not isinstance(error["input"], (dict, list)):
+        message = f"{message} (got {error['input']!r})"
+    return f"{path}: {message}"
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobConfig:
+    """The whole config pipeline: file (optional) → overrides → validated :class:`JobConfig`."""
+    data = read_yaml(path) if path is not None else {}
+    source = f"The config file {path}" if path is not None else "The job config"
+    return build_config(apply_overrides(data, overrides), source)
+
+
+def config_as_yaml(config: JobConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,99 @@
+"""Process group and device: chosen from the world info, initialised once, destroyed in ``finally``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from service.env import EnvError, WorldInfo
+
+log = logging.getLogger(__name__)
+
+STORE_PREFIX = "ddp-service"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    """What the rest of the job needs to know about communication: backend and device."""
+
+    backend: str
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def select_backend(requested: str, cuda_available: bool) -> str:
+    """NCCL when CUDA devices are visible, gloo otherwise, unless the config names one."""
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise EnvError(
+            "dist.backend is 'nccl' but no CUDA device is visible. Use 'auto' or 'gloo' on CPU machines."
+        )
+    return requested
+
+
+def select_device(world: WorldInfo, backend: str, device_count: int) -> torch.device:
+    """``cuda:LOCAL_RANK``; index 0 when the launcher gives each process one visible device."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if device_count == 1:
+        return torch.device("cuda", 0)
+    if world.local_rank >= device_count:
+        raise EnvError(
+            f"LOCAL_RANK={world.local_rank} but only {device_count} CUDA devices are visible. Start at most "
+            f"{device_count} processes per node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES."
+        )
+    return torch.device("cuda", world.local_rank)
+
+
+def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
+    """The process group's store, in a namespace of its own for each restart attempt.
+
+    Under torchrun the workers share the agent's store across restarts. Without
+    a per-attempt prefix, restarted workers read the previous attempt's gloo
+    addresses and fail with "Gloo connectFullMesh failed ... Connection refused".
+    When the agent does not share its store (TORCHELASTIC_USE_AGENT_STORE=False),
+    rank 0 hosts it.
+    """
+    if world.world_size == 1:
+        base: dist.Store = dist.HashStore()
+    else:
+        base = dist.TCPStore(
+            host_name=world.master_addr or "127.0.0.1",
+            port=world.master_port or 0,
+            world_size=world.world_size,
+            is_master=world.rank == 0 and not world.use_agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    return dist.PrefixStore(f"{STORE_PREFIX}/attempt-{world.restart_count}/", base)
+
+
+def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: int) -> DistContext:
+    """Create the default process group for this world (a world of 1 too, so collectives always work)."""
+    backend = select_backend(requested_backend, torch.cuda.is_available())
+    device = select_device(world, backend, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_seconds)
+    dist.init_process_group(
+        backend=backend,
+        store=attempt_store(world, timeout),
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=timeout,
+    )
+    log.info("process group up: backend=%s device=%s world_size=%d", backend, device, world.world_size)
+    return DistContext(backend=backend, device=device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

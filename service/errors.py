@@ -1,0 +1,31 @@
+"""Errors that come with the fix: the seed's in-place autograd error under DDP."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+INPLACE_MARKER = "modified by an inplace operation"
+
+INPLACE_HINT = (
+    "Backward failed because a tensor it needs was changed in place. Under DDP the usual causes are:\n"
+    "  1. two forward passes through a DDP-wrapped model with BatchNorm before one backward, while DDP "
+    "broadcasts buffers at each forward: set `ddp.broadcast_buffers: false` (--set "
+    "ddp.broadcast_buffers=false), or run both inputs through one forward;\n"
+    "  2. an in-place operation on an activation that backward needs (x += ..., x.mul_(), "
+    "ReLU(inplace=True) after an op that saves its output): use the out-of-place form.\n"
+    "torch.autograd.set_detect_anomaly(True) names the forward operation."
+)
+
+
+class InplaceGradientError(RuntimeError):
+    """Raised in place of torch's in-place RuntimeError, with the causes and the config switch."""
+
+
+def backward(loss: Tensor) -> None:
+    """``loss.backward()``, re-raising the in-place autograd error with a hint."""
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if INPLACE_MARKER in str(exc):
+            raise InplaceGradientError(f"{exc}\n\n{INPLACE_HINT}") from exc
+        raise

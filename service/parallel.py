@@ -1,0 +1,63 @@
+"""The one place where a model is wrapped for parallel training."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from service.config import DDPConfig, TrainConfig
+from service.env import EnvError, WorldInfo
+from service.syncbn import convert_sync_batchnorm
+
+log = logging.getLogger(__name__)
+
+
+def wants_sync_batchnorm(setting: str, world_size: int) -> bool:
+    return setting == "on" or (setting == "auto" and world_size > 1)
+
+
+def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: WorldInfo,
+               device: torch.device) -> nn.Module:  # fmt: skip
+    """BatchNorm → SyncBatchNorm when asked, move to the device, then DDP (or DataParallel)."""
+    if train.strategy == "dp":
+        return _data_parallel(model.to(device), world, device)
+    if wants_sync_batchnorm(train.sync_batchnorm, world.world_size):
+        model = convert_sync_batchnorm(model, device.type)
+    model = model.to(device)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=ddp.find_unused_parameters,
+        bucket_cap_mb=ddp.bucket_cap_mb,
+        **_buffer_sync_kwargs(ddp.broadcast_buffers),
+    )
+
+
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
+    """Newer torch renames the per-forward buffer broadcast ``forward_sync_buffers``; older has only the old name."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": broadcast_buffers}
+    return {"broadcast_buffers": broadcast_buffers}
+
+
+def _data_parallel(model: nn.Module, world: WorldInfo, device: torch.device) -> nn.Module:
+    """The seed's section 二: one process drives every visible GPU with threads."""
+    if world.world_size > 1:
+        raise EnvError(
+            f"train.strategy is 'dp' but the launcher started {world.world_size} processes. DataParallel "
+            "runs in one process: start it without torchrun (python -m service train ...) or use "
+            "train.strategy=ddp."
+        )
+    if device.type != "cuda":
+        log.warning("train.strategy=dp on CPU: running as a single process without DataParallel.")
+        return model
+    return DataParallel(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under a DDP/DataParallel wrapper; its state_dict has no 'module.' prefix."""
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model

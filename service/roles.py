@@ -1,0 +1,50 @@
+"""What each rank does besides training, decided once, as objects the loop calls blindly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from service.checkpoint import Checkpointer, Rank0Checkpointer
+from service.config import JobConfig
+from service.env import WorldInfo
+from service.metrics import (
+    FanOutSink,
+    LogSink,
+    MetricsSink,
+    ProgressSink,
+    PrometheusSink,
+    TensorBoardSink,
+)
+from service.summary import JsonSummaryWriter, SummaryWriter
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    sink: MetricsSink
+    checkpointer: Checkpointer
+    summary: SummaryWriter
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def build_roles(config: JobConfig, world: WorldInfo, total_steps: int) -> Roles:
+    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs and exports."""
+    run_dir = Path(config.run_dir)
+    is_rank0 = world.rank == 0
+    sinks: list[MetricsSink] = [LogSink()]
+    if is_rank0 and config.train.progress_bar:
+        sinks.append(ProgressSink(total_steps))
+    if config.metrics.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
+    if config.metrics.port:
+        labels = {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank)}
+        sinks.append(PrometheusSink(config.metrics.host, config.metrics.port + world.local_rank, labels))
+    checkpointer = (
+        Rank0Checkpointer(run_dir / "checkpoints", config.checkpoint.every_steps, config.checkpoint.keep)
+        if is_rank0 and config.checkpoint.every_steps
+        else Checkpointer()
+    )
+    summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
+    return Roles(sink=FanOutSink(sinks), checkpointer=checkpointer, summary=summary)
