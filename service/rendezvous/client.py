@@ -1,0 +1,235 @@
+"""A pyetcd client that survives what a long training run meets.
+
+pyetcd alone makes one etcd error fatal to the torchrun agent: the agent polls
+the rendezvous every 0.1 s, and a 3-second etcd restart ended a whole job.
+This wrapper gives every call
+
+* a deadline (``read_timeout``) on each RPC, so nothing hangs;
+* fail-over between endpoints;
+* retries inside a grace window that opens at the first error after a success,
+  so an etcd restart or a lost cluster member does not stop the job, while an
+  etcd that was never reachable fails within ``read_timeout``;
+* re-authentication, since etcd's tokens do not survive a restart or a move to
+  another member.
+
+pyetcd marks an endpoint failed for 300 s after one UNAVAILABLE and then raises
+``ValueError('Trying to use a failed node')`` without trying; the retry time is
+set to ``failed_node_retry`` and that error is treated as transient too.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from .options import ClientOptions
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Reconnect quickly after etcd comes back; gRPC's default backoff grows to 120 s.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+]
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_TRANSIENT_ERRORS = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+
+
+class EtcdError(Exception):
+    """etcd refused a request for a reason that retrying will not fix."""
+
+
+class EtcdUnavailableError(EtcdError):
+    """etcd could not be reached within the time allowed."""
+
+
+class EtcdUncertainError(EtcdError):
+    """One attempt failed in a way that may or may not have applied a write."""
+
+
+class LeaseNotFoundError(EtcdError):
+    """A write named a lease that etcd no longer has."""
+
+
+def is_failed_node_error(exc: BaseException) -> bool:
+    """pyetcd's way of saying an endpoint is in its failed-retry period."""
+    return isinstance(exc, ValueError) and "failed node" in str(exc)
+
+
+class EtcdClient:
+    """Thread-safe access to etcd with deadlines, fail-over and a grace window."""
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        self._lock = threading.RLock()
+        self._outage_since: float | None = None
+        self._connected_once = False
+        self._created = time.monotonic()
+        self._need_auth = options.user is not None
+        self._client = self._build()
+
+    @property
+    def endpoints(self) -> str:
+        """The configured endpoints, for messages."""
+        return self.options.describe_endpoints()
+
+    @property
+    def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
+        """The underlying pyetcd client (for its ``transactions`` helpers)."""
+        return self._client
+
+    def close(self) -> None:
+        """Close the gRPC channels."""
+        try:
+            self._client.close()
+        except Exception:  # closing is best effort
+            log.debug("Closing the etcd client failed.", exc_info=True)
+
+    def call(self, op: Callable[[pyetcd.MultiEndpointEtcd3Client], T], what: str, retry: bool = True) -> T:
+        """Run ``op`` against etcd; retry transient errors inside the grace window.
+
+        With ``retry=False`` a transient failure raises ``EtcdUncertainError``
+        after one attempt, for writes whose outcome must be checked by a read.
+        """
+        delay = 0.05
+        while True:
+            try:
+                result = self._attempt(op)
+            except EtcdUncertainError as exc:
+                if not retry:
+                    raise
+                remaining = self._window_left()
+                if remaining <= 0:
+                    raise EtcdUnavailableError(self._unavailable_message(what, exc.__cause__)) from exc.__cause__
+                time.sleep(min(delay, remaining) * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, 0.5)
+                continue
+            self._mark_ok()
+            return result
+
+    def _attempt(self, op: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
+        """One try; transient failures come out as ``EtcdUncertainError``."""
+        try:
+            with self._lock:
+                if self._need_auth:
+                    self._authenticate()
+            return op(self._client)
+        except _TRANSIENT_ERRORS as exc:
+            self._mark_failed()
+            raise EtcdUncertainError(str(exc)) from exc
+        except ValueError as exc:
+            if not is_failed_node_error(exc):
+                raise
+            self._mark_failed()
+            raise EtcdUncertainError(str(exc)) from exc
+        except grpc.RpcError as exc:
+            raise self._classify(exc) from exc
+
+    def _classify(self, exc: grpc.RpcError) -> EtcdError:
+        code, details = _code_and_details(exc)
+        if code in _TRANSIENT_CODES:
+            # Raw errors (authentication, lease streams) skip pyetcd's own bookkeeping.
+            self._fail_current_endpoint()
+            self._mark_failed()
+            return EtcdUncertainError(f"{code.name}: {details}")
+        if code == grpc.StatusCode.UNAUTHENTICATED and self.options.user is not None:
+            # Tokens are per member and lost on restart: log in again, then retry.
+            self._need_auth = True
+            self._mark_failed()
+            return EtcdUncertainError(f"the etcd auth token was refused ({details})")
+        if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
+            return LeaseNotFoundError(details)
+        return EtcdError(f"etcd at {self.endpoints} refused the request: {code.name}: {details}.")
+
+    def _authenticate(self) -> None:
+        request = pyetcd.etcdrpc.AuthenticateRequest(name=self.options.user, password=self.options.password)
+        try:
+            response = self._client.authstub.Authenticate(request, self.options.read_timeout)
+        except grpc.RpcError as exc:
+            code, details = _code_and_details(exc)
+            if code in _TRANSIENT_CODES:
+                raise
+            raise EtcdError(
+                f"etcd at {self.endpoints} refused the login of user '{self.options.user}': {details}."
+            ) from exc
+        # Metadata works on plain and TLS channels; call credentials only on TLS.
+        self._client.metadata = (("token", response.token),)
+        self._need_auth = False
+
+    def _fail_current_endpoint(self) -> None:
+        try:
+            self._client.endpoint_in_use.fail()
+        except Exception:  # bookkeeping only
+            pass
+
+    def _mark_ok(self) -> None:
+        self._connected_once = True
+        self._outage_since = None
+
+    def _mark_failed(self) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+
+    def _window_left(self) -> float:
+        """Seconds left to retry: the grace window in a running job, read_timeout at start."""
+        now = time.monotonic()
+        if not self._connected_once:
+            return self._created + self.options.read_timeout - now
+        start = self._outage_since if self._outage_since is not None else now
+        return start + self.options.grace_period - now
+
+    def _unavailable_message(self, what: str, cause: BaseException | None) -> str:
+        waited = self.options.grace_period if self._connected_once else self.options.read_timeout
+        return (
+            f"etcd at {self.endpoints} is unreachable; {what} failed and was retried for "
+            f"{waited:g} s (last error: {cause or 'unknown'})."
+        )
+
+    def _build(self) -> pyetcd.MultiEndpointEtcd3Client:
+        credentials = self._tls_credentials()
+        endpoints = [
+            pyetcd.Endpoint(
+                e.host,
+                e.port,
+                secure=credentials is not None,
+                creds=credentials,
+                time_retry=self.options.failed_node_retry,
+                opts=_GRPC_OPTIONS,
+            )
+            for e in self.options.endpoints
+        ]
+        return pyetcd.MultiEndpointEtcd3Client(
+            endpoints=endpoints, timeout=self.options.read_timeout, failover=True
+        )
+
+    def _tls_credentials(self) -> grpc.ChannelCredentials | None:
+        opts = self.options
+        if opts.cacert is None:
+            return None
+        try:
+            return pyetcd.MultiEndpointEtcd3Client.get_secure_creds(opts.cacert, opts.key, opts.cert)
+        except OSError as exc:
+            raise ValueError(f"The TLS files for etcd cannot be read: {exc}.") from exc
+
+
+def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return code, details or ""
