@@ -215,9 +215,12 @@ class EtcdClient:
             )
             for e in self.options.endpoints
         ]
-        return pyetcd.MultiEndpointEtcd3Client(
+        client = pyetcd.MultiEndpointEtcd3Client(
             endpoints=endpoints, timeout=self.options.read_timeout, failover=True
         )
+        # pyetcd starts on a random endpoint; start on the first listed, like etcdctl.
+        client._current_endpoint_label = endpoints[0].netloc
+        return client
 
     def _tls_credentials(self) -> grpc.ChannelCredentials | None:
         opts = self.options
