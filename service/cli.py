@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 
 from service.config import ConfigError, config_as_yaml, load_config
@@ -64,21 +65,36 @@ def train_command(config, world: WorldInfo) -> int:  # noqa: ANN001 - JobConfig,
 
 def _train(config, world: WorldInfo) -> int:  # noqa: ANN001
     from service.distributed import init_distributed, shutdown_distributed
-    from service.train import build_job, train
 
     dist_ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
     try:
-        job = build_job(config, world, dist_ctx)
-        try:
-            summary = train(job)
-        finally:
-            job.roles.close()
-        log.info("done: step %d, %s %.4f, %.1f samples/s", summary["global_step"],
-                 summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
-                 summary["samples_per_second"] or 0.0)  # fmt: skip
-        return 0
+        summary = _run_job(config, world, dist_ctx)
+    except BaseException as exc:
+        # The traceback would keep the DDP model alive past the process group; see _run_job.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         shutdown_distributed()
+    log.info("done: step %d, %s %.4f, %.1f samples/s", summary["global_step"],
+             summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
+             summary["samples_per_second"] or 0.0)  # fmt: skip
+    return 0
+
+
+def _run_job(config, world: WorldInfo, dist_ctx) -> dict:  # noqa: ANN001
+    """Build and train; the job (and its DDP model) dies with this frame, before the process group.
+
+    Freed the other way round, DDP's reducer drops the last reference to a gloo
+    process group while holding the GIL, and the group's destructor joins a
+    worker thread that waits for the GIL: the process hangs at exit.
+    """
+    from service.train import build_job, train
+
+    job = build_job(config, world, dist_ctx)
+    try:
+        return train(job)
+    finally:
+        job.roles.close()
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from service.tasks.registry import BUILTIN_TASKS
 
@@ -32,14 +32,23 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _switch(value: Any) -> Any:
+    """YAML reads a bare ``on``/``off`` as a boolean; take it back as the word."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
+Amp = Annotated[Literal["auto", "off", "bf16"], BeforeValidator(lambda v: "off" if v is False else v)]
+
+
 class TrainConfig(_Section):
     epochs: int = Field(2, ge=1, description="Passes over the training set.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
     lr: float = Field(0.05, gt=0)
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
-    amp: Literal["auto", "off", "bf16"] = "auto"
-    sync_batchnorm: Literal["auto", "on", "off"] = "auto"
+    amp: Amp = "auto"
+    sync_batchnorm: OnOffAuto = "auto"
     strategy: Literal["ddp", "dp"] = "ddp"
     optimizer: Literal["sgd", "adamw"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)

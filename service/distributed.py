@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from datetime import timedelta
 
@@ -90,10 +91,21 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
         world_size=world.world_size,
         timeout=timeout,
     )
-    log.info("process group up: backend=%s device=%s world_size=%d", backend, device, world.world_size)
+    log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
+             backend, device, world.world_size)  # fmt: skip
     return DistContext(backend=backend, device=device)
 
 
 def shutdown_distributed() -> None:
+    """Free what still holds the process group, then destroy it.
+
+    DDP's reducer sits in reference cycles, so it lives until the cyclic GC
+    runs. Collected late (at interpreter exit, or while the GIL is held by a
+    dealloc) it drops the last reference to a gloo group, whose destructor joins
+    worker threads that need the GIL: the worker hangs or aborts at exit. The
+    caller must have released the job; collecting here leaves the registry's
+    reference as the last one, which ``destroy_process_group`` drops cleanly.
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

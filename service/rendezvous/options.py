@@ -225,6 +225,16 @@ def _check_ranges(numbers: Mapping[str, float]) -> None:
     for name in ("ttl", "keep_alive_max_attempt"):
         if numbers[name] != int(numbers[name]):
             raise ValueError(f"The rendezvous option '{name}' must be a whole number, not {numbers[name]:g}.")
+    if numbers["keep_alive_max_attempt"] < 3:
+        # torch's timer fires every interval, but a beat is sent only when the last one is
+        # at least an interval old, so beats can come 2 intervals apart; with fewer than 3
+        # attempts a live node ages past the limit, drops itself from the state, stops
+        # beating, and the others start a round without it.
+        raise ValueError(
+            "The rendezvous option 'keep_alive_max_attempt' must be at least 3, because torch "
+            "sends a heartbeat only every second interval at worst and live nodes would be "
+            "declared dead."
+        )
     if numbers["ttl"] < 2:
         raise ValueError("The rendezvous option 'ttl' must be at least 2 seconds, the shortest lease etcd keeps.")
 

@@ -1,0 +1,95 @@
+"""Shared helpers: run the real service under a real torchrun, and fail (not skip) missing tools in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Small, quiet, fast: every e2e job starts from these and overrides what it tests.
+QUICK = (
+    "train.progress_bar=false",
+    "train.log_every=5",
+    "metrics.tensorboard=false",
+    "checkpoint.every_steps=0",
+)
+
+
+def require_tool(name: str) -> str:
+    """Path of an executable; a skip that says why, or a failure under CI=true."""
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if path is None:
+        message = f"{name} is not installed; `make test` installs the test dependencies."
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The test's environment without launcher variables, so the child detects only what we pass."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TORCHELASTIC_", "SLURM_", "PET_")) and key not in
+           {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}}  # fmt: skip
+    paths = [str(REPO), str(REPO / "tests" / "tasks"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *overrides: str, config: str | None = None, launcher: tuple[str, ...] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(launcher or ("--standalone",)),
+           f"--nproc_per_node={nproc}", "-m", "service", "train"]  # fmt: skip
+    if config:
+        cmd.append(config)
+    for override in (*QUICK, *overrides):
+        cmd += ["--set", override]
+    return cmd
+
+
+def run_job(run_dir: Path, nproc: int, *overrides: str, config: str | None = None,
+            timeout: float = 180, expect_ok: bool = True, **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+    """One real torchrun job; returns the finished process (stdout+stderr in .stdout)."""
+    cmd = torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, config=config)
+    with subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True) as proc:  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            output, _ = proc.communicate()
+            pytest.fail(f"torchrun did not finish in {timeout} s:\n{output[-6000:]}")
+    finished = subprocess.CompletedProcess(cmd, proc.returncode, output)
+    if expect_ok and finished.returncode != 0:
+        pytest.fail(f"torchrun exited {finished.returncode}:\n{output[-6000:]}")
+    return finished
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Kill a child started with start_new_session=True and everything it started."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def final_weights(run_dir: Path) -> dict:
+    import torch
+
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    assert checkpoints, f"no checkpoint under {run_dir}"
+    return torch.load(checkpoints[-1], weights_only=True)["model"]

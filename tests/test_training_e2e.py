@@ -1,0 +1,109 @@
+"""Real torchrun jobs on CPU/gloo: built-in tasks, determinism, DDP and SyncBN equivalence, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import REPO, final_weights, read_summary, run_job
+
+pytestmark = pytest.mark.e2e
+
+
+def assert_same_weights(left: dict, right: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.allclose(left[key].double(), right[key].double(), rtol=rtol, atol=atol), key
+
+
+def weights_differ(left: dict, right: dict) -> bool:
+    return any(not torch.allclose(left[k].double(), right[k].double(), rtol=1e-4, atol=1e-6) for k in left)
+
+
+@pytest.mark.parametrize(
+    ("task", "train_size", "metric", "floor"),
+    [("shapes-segmentation", 256, "dice", 0.5), ("digits-classification", 1437, "accuracy", 0.8)],
+)
+def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, floor):
+    run_dir = tmp_path / "run"
+    batch, epochs = 8, 2
+    run_job(run_dir, 2, f"task={task}", f"train.batch_size={batch}", f"train.epochs={epochs}",
+            "metrics.tensorboard=true", "checkpoint.every_steps=10", "checkpoint.keep=2")  # fmt: skip
+    summary = read_summary(run_dir)
+    steps_per_epoch = math.ceil(math.ceil(train_size / 2) / batch)
+    assert summary["world_size"] == 2 and summary["restarts"] == 0
+    assert summary["global_step"] == steps_per_epoch * epochs
+    assert summary["epochs_completed"] == epochs
+    # DistributedSampler pads the shard to equal length: ceil(n / 2) samples per rank per epoch.
+    assert summary["samples_seen"] == 2 * math.ceil(train_size / 2) * epochs
+    assert summary["eval_metric"]["name"] == metric and summary["eval_metric"]["value"] > floor
+    assert summary["final_loss"] > 0 and summary["samples_per_second"] > 0
+    assert len(summary["model_digest"]) == 64
+    # One TensorBoard dir per rank, each with its own event file.
+    for rank in (0, 1):
+        assert list((run_dir / "tensorboard" / f"rank{rank}").glob("events.out.tfevents.*"))
+    # Rank-0 checkpoints of the unwrapped model, the last `keep` only.
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    assert len(checkpoints) == 2 and checkpoints[-1].name == f"step-{summary['global_step']:08d}.pt"
+    state = torch.load(checkpoints[-1], weights_only=True)
+    assert not any(key.startswith("module.") for key in state["model"])
+    assert state["loop"]["global_step"] == summary["global_step"]
+
+
+def test_same_config_gives_same_model_digest(tmp_path):
+    digests = []
+    for name in ("a", "b"):
+        run_job(tmp_path / name, 2, "train.max_steps=12")
+        digests.append(read_summary(tmp_path / name)["model_digest"])
+    assert digests[0] == digests[1]
+    run_job(tmp_path / "c", 2, "train.max_steps=12", "seed=1")
+    assert read_summary(tmp_path / "c")["model_digest"] != digests[0]
+
+
+STEPS20 = ("train.max_steps=20", "checkpoint.every_steps=20")
+
+
+def test_ddp_two_ranks_match_one_rank_with_double_batch(tmp_path):
+    """No BatchNorm: DDP's gradient average over 2 × b is the gradient of one batch of 2b."""
+    common = ("task=digits-classification", "task_options.batchnorm=false", *STEPS20)
+    run_job(tmp_path / "two", 2, *common, "train.batch_size=4")
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")
+    run_job(tmp_path / "accum", 2, *common, "train.batch_size=2", "train.grad_accum=2")
+    one = final_weights(tmp_path / "one")
+    assert_same_weights(final_weights(tmp_path / "two"), one)
+    # Accumulation with no_sync on all but the last micro-step keeps the same global batch.
+    assert_same_weights(final_weights(tmp_path / "accum"), one)
+
+
+def test_syncbn_two_cpu_ranks_match_one_rank_plain_batchnorm(tmp_path):
+    common = ("task=shapes-segmentation", *STEPS20)
+    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4")  # sync_batchnorm: auto → on
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")  # world of 1 → plain BatchNorm
+    run_job(tmp_path / "local", 2, *common, "train.batch_size=4", "train.sync_batchnorm=off")
+    one = final_weights(tmp_path / "one")
+    assert_same_weights(final_weights(tmp_path / "sync"), one)
+    # The control: per-rank BatchNorm statistics do drift away from the single-rank run.
+    assert weights_differ(final_weights(tmp_path / "local"), one)
+
+
+def test_inplace_error_is_reraised_with_the_hint(tmp_path):
+    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:inplace_activation", expect_ok=False)
+    assert proc.returncode != 0
+    assert "modified by an inplace operation" in proc.stdout
+    assert "ddp.broadcast_buffers" in proc.stdout and "InplaceGradientError" in proc.stdout
+
+
+def test_task_returning_wrong_type_is_named(tmp_path):
+    proc = run_job(tmp_path / "run", 1, "task=bad_tasks:not_a_task", expect_ok=False)
+    assert proc.returncode != 0 and "returned dict, not service.tasks.Task" in proc.stdout
+
+
+def test_bring_your_own_task_from_module_function(tmp_path):
+    run_dir = tmp_path / "run"
+    run_job(run_dir, 2, "train.epochs=4", config=str(REPO / "examples" / "byo.yaml"),
+            PYTHONPATH=f"{REPO}:{REPO / 'examples'}")  # fmt: skip
+    summary = read_summary(run_dir)
+    assert summary["task"] == "my_task:build" and summary["world_size"] == 2
+    assert summary["eval_metric"]["value"] > 0.6
