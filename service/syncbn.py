@@ -1,18 +1,38 @@
 """SyncBatchNorm that works on CPU: batch statistics all-reduced in forward and backward.
 
 torch's ``nn.SyncBatchNorm`` refuses CPU tensors. This layer computes the same
-thing with differentiable ``all_reduce`` calls (``torch.distributed.nn``), so
-autograd all-reduces the statistics' gradients in backward too: N ranks × batch
-b train exactly like one rank × batch N·b with plain BatchNorm.
+thing with a differentiable ``all_reduce``: the forward sums the statistics
+across ranks, the backward sums their gradients, so N ranks × batch b train
+exactly like one rank × batch N·b with plain BatchNorm.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:  # noqa: ANN001
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _AllReduceSum.apply(tensor, group)
 
 
 class AllReduceBatchNorm(_BatchNorm):
@@ -35,11 +55,11 @@ class AllReduceBatchNorm(_BatchNorm):
         dims = [0, *range(2, input.dim())]
         shape = [1, -1] + [1] * (input.dim() - 2)
         local_count = input.new_full((1,), input.numel() / input.size(1))
-        sums = dist_fn.all_reduce(torch.cat([input.sum(dims), local_count]), group=self._group())
+        sums = all_reduce_sum(torch.cat([input.sum(dims), local_count]), self._group())
         count = sums[-1]
         mean = sums[:-1] / count
         centered = input - mean.view(shape)
-        var = dist_fn.all_reduce((centered * centered).sum(dims), group=self._group()) / count
+        var = all_reduce_sum((centered * centered).sum(dims), self._group()) / count
         if self.training and self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), count.detach())
         out = centered * torch.rsqrt(var + self.eps).view(shape)

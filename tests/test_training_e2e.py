@@ -107,3 +107,12 @@ def test_bring_your_own_task_from_module_function(tmp_path):
     summary = read_summary(run_dir)
     assert summary["task"] == "my_task:build" and summary["world_size"] == 2
     assert summary["eval_metric"]["value"] > 0.6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch's SyncBatchNorm over NCCL needs 2 CUDA devices")
+def test_syncbn_on_cuda_matches_one_rank_plain_batchnorm(tmp_path):
+    common = ("task=shapes-segmentation", *STEPS20, "train.amp=off")
+    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4")
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")
+    assert read_summary(tmp_path / "sync")["device"] == "cuda"
+    assert_same_weights(final_weights(tmp_path / "sync"), final_weights(tmp_path / "one"), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,205 @@
+"""Fast tests of the pure pieces: schedule, step plan, digest, checkpoints, device choice, SyncBN math."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from service.checkpoint import Rank0Checkpointer, list_checkpoints
+from service.config import TrainConfig, load_config
+from service.distributed import attempt_store, select_backend, select_device
+from service.env import EnvError, WorldInfo
+from service.errors import INPLACE_MARKER, InplaceGradientError, backward
+from service.metrics import PrometheusSink, StepReport
+from service.parallel import wants_sync_batchnorm, wrap_model
+from service.summary import JsonSummaryWriter, model_digest
+from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+from service.train import lr_factor, plan_steps
+
+
+def test_lr_factor_warmup_then_cosine():
+    assert lr_factor(0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(100, 100, 10, "cosine") == pytest.approx(0.0)
+    assert lr_factor(70, 100, 0, "constant") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("batches", "accum", "epochs", "max_steps", "expected"),
+    [(10, 1, 2, None, (10, 20)), (10, 3, 2, None, (4, 8)), (10, 1, 5, 7, (10, 7)), (1, 4, 1, None, (1, 1))],
+)
+def test_plan_steps(batches, accum, epochs, max_steps, expected):
+    train = TrainConfig(grad_accum=accum, epochs=epochs, max_steps=max_steps)
+    assert plan_steps(batches, train) == expected
+
+
+def test_model_digest_covers_values_and_order():
+    state = {"a": torch.arange(4.0), "b": torch.ones(2, 2).t(), "n": torch.tensor(3)}
+    digest = model_digest(state)
+    assert digest == model_digest({k: v.clone() for k, v in state.items()})
+    assert digest != model_digest({**state, "n": torch.tensor(4)})
+    assert digest != model_digest({"b": state["b"], "a": state["a"], "n": state["n"]})
+    assert model_digest({"x": torch.ones(2, dtype=torch.bfloat16)}) != model_digest({"x": torch.ones(2)})
+
+
+def test_checkpointer_saves_on_schedule_and_keeps_the_last(tmp_path):
+    saver = Rank0Checkpointer(tmp_path, every_steps=2, keep=2)
+    calls = []
+
+    def state():
+        calls.append(1)
+        return {"model": {"w": torch.ones(1)}}
+
+    for step in range(1, 8):
+        saver.maybe_save(step, state)
+    saver.save(6, state)  # already saved at step 6: not written twice
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step-00000004.pt", "step-00000006.pt"]
+    assert len(calls) == 3
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_summary_writer_is_atomic_json(tmp_path):
+    JsonSummaryWriter(tmp_path / "s" / "summary.json").write({"x": 1})
+    assert json.loads((tmp_path / "s" / "summary.json").read_text()) == {"x": 1}
+
+
+def test_backend_and_device_choice():
+    assert select_backend("auto", cuda_available=False) == "gloo"
+    assert select_backend("auto", cuda_available=True) == "nccl"
+    with pytest.raises(EnvError, match="no CUDA device is visible"):
+        select_backend("nccl", cuda_available=False)
+    world = WorldInfo("torchrun", rank=5, local_rank=1, world_size=8, local_world_size=4)
+    assert select_device(world, "gloo", 4) == torch.device("cpu")
+    assert select_device(world, "nccl", 4) == torch.device("cuda", 1)
+    assert select_device(world, "nccl", 1) == torch.device("cuda", 0)  # one visible device per process
+    with pytest.raises(EnvError, match="LOCAL_RANK=3 but only 2 CUDA devices"):
+        select_device(WorldInfo("torchrun", 3, 3, 4, 4), "nccl", 2)
+
+
+def test_attempt_store_namespaces_each_restart(unused_tcp_port):
+    """Workers of restart 1 must not see what workers of restart 0 wrote in the agent's shared store."""
+    agent_store = dist.TCPStore("127.0.0.1", unused_tcp_port, is_master=True, wait_for_workers=False)
+
+    def worker_store(restart: int) -> dist.Store:
+        world = WorldInfo("torchrun", rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                          master_port=unused_tcp_port, restart_count=restart, use_agent_store=True)  # fmt: skip
+        return attempt_store(world, timedelta(seconds=5))
+
+    worker_store(0).set("rank0-address", "old")
+    assert worker_store(0).check(["rank0-address"])
+    assert not worker_store(1).check(["rank0-address"])
+    assert agent_store.num_keys() >= 1
+
+
+def test_sync_batchnorm_switch():
+    assert wants_sync_batchnorm("auto", 2) and not wants_sync_batchnorm("auto", 1)
+    assert wants_sync_batchnorm("on", 1) and not wants_sync_batchnorm("off", 8)
+
+
+def test_backward_adds_the_hint_for_inplace_errors():
+    x = torch.ones(3, requires_grad=True)
+    y = torch.sigmoid(x)
+    y.mul_(2)
+    with pytest.raises(InplaceGradientError) as info:
+        backward(y.sum())
+    assert INPLACE_MARKER in str(info.value) and "ddp.broadcast_buffers: false" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_backward_leaves_other_errors_alone():
+    with pytest.raises(RuntimeError) as info:
+        backward(torch.ones(2, requires_grad=True))  # not a scalar
+    assert not isinstance(info.value, InplaceGradientError)
+
+
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of one process, as the service builds it without a launcher."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield WorldInfo("none")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (6, 4, 5), (6, 4, 5, 3)])
+def test_allreduce_batchnorm_matches_batchnorm_in_a_world_of_one(world_of_one, shape):
+    torch.manual_seed(0)
+    reference = nn.BatchNorm1d(4) if len(shape) < 4 else nn.BatchNorm2d(4)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-0.5, 0.5)
+    synced = convert_sync_batchnorm(nn.Sequential(reference), "cpu")[0]
+    reference = nn.BatchNorm1d(4) if len(shape) < 4 else nn.BatchNorm2d(4)
+    reference.load_state_dict(synced.state_dict())
+    assert isinstance(synced, AllReduceBatchNorm)
+    x = torch.randn(*shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    for _ in range(2):
+        out, expected = synced(x), reference(x2)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(synced.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(synced.running_var, reference.running_var)
+    assert synced.num_batches_tracked.item() == 2
+    synced.eval(), reference.eval()
+    torch.testing.assert_close(synced(x), reference(x2))
+
+
+def test_dp_strategy_refuses_several_processes_and_warns_on_cpu(world_of_one, caplog):
+    train = load_config(None, ["train.strategy=dp"]).train
+    ddp = load_config(None).ddp
+    with pytest.raises(EnvError, match="DataParallel runs in one process"):
+        wrap_model(nn.Linear(2, 2), train, ddp, WorldInfo("torchrun", 0, 0, 2, 2, master_addr="h", master_port=1),
+                   torch.device("cpu"))  # fmt: skip
+    with caplog.at_level("WARNING"):
+        model = wrap_model(nn.Linear(2, 2), train, ddp, world_of_one, torch.device("cpu"))
+    assert isinstance(model, nn.Linear) and "single process" in caplog.text
+
+
+def test_prometheus_sink_serves_per_rank_metrics(unused_tcp_port):
+    sink = PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "3", "local_rank": "1", "node_rank": "1"})
+    try:
+        sink.on_step(8)
+        sink.on_step(8)
+        sink.on_report(StepReport(2, 10, 0, 0.5, 0.1, 32, 123.0))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5).read().decode()
+    finally:
+        sink.close()
+    labels = 'local_rank="1",node_rank="1",rank="3"'
+    assert f"ddp_train_samples_total{{{labels}}} 16.0" in text
+    assert f"ddp_train_steps_total{{{labels}}} 2.0" in text
+    assert f"ddp_train_samples_per_second{{{labels}}} 123.0" in text
+
+
+def test_prometheus_port_in_use_is_explained(unused_tcp_port):
+    first = PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "0"})
+    try:
+        with pytest.raises(OSError, match="metrics.port \\+ LOCAL_RANK"):
+            PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "0"})
+    finally:
+        first.close()
+
+
+@pytest.fixture
+def unused_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cosine_reaches_zero_only_at_the_end():
+    values = [lr_factor(step, 20, 0, "cosine") for step in range(20)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+    assert values[-1] > 0 and math.isclose(lr_factor(20, 20, 0, "cosine"), 0.0, abs_tol=1e-12)
