@@ -116,3 +116,19 @@ def test_syncbn_on_cuda_matches_one_rank_plain_batchnorm(tmp_path):
     run_job(tmp_path / "one", 1, *common, "train.batch_size=8")
     assert read_summary(tmp_path / "sync")["device"] == "cuda"
     assert_same_weights(final_weights(tmp_path / "sync"), final_weights(tmp_path / "one"), rtol=1e-4, atol=1e-5)
+
+
+def test_without_launcher_dp_strategy_runs_one_process_with_a_warning(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import QUICK, child_env
+
+    run_dir = tmp_path / "run"
+    args = [f"--set={item}" for item in (*QUICK, f"run_dir={run_dir}", "train.strategy=dp", "train.max_steps=4")]
+    proc = subprocess.run([sys.executable, "-m", "service", "train", *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.strategy=dp on CPU" in proc.stderr
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 1 and summary["launcher"] == "none" and summary["global_step"] == 4

@@ -1,0 +1,135 @@
+"""The service's training loop against a bare, hand-written DDP loop in the seed's style.
+
+Same model (the shapes UNet), data, batch and 2 gloo processes; the two
+alternate within one invocation so drift on the machine hits both alike.
+Metrics, checkpoints, TensorBoard and the progress bar are off in the service,
+and SyncBatchNorm too (the bare loop has plain BatchNorm). Prints the median
+step time of each and the throughput ratio service / bare (target >= 0.99).
+
+    python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SIZE = 512
+
+
+def worker(mode: str, epochs: int, batch: int, out: Path) -> None:
+    """Runs under torchrun; writes this rank's seconds per step for each epoch."""
+    times = bare(epochs, batch) if mode == "bare" else service(epochs, batch)
+    if int(os.environ["RANK"]) == 0:
+        out.write_text(json.dumps(times))
+
+
+def bare(epochs: int, batch: int) -> list[float]:
+    """The seed's loop: DDP + DistributedSampler + SGD, nothing else."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from service.tasks.shapes import UNet, make_shapes
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    dataset = make_shapes(TRAIN_SIZE, 32, seed=0)
+    sampler = DistributedSampler(dataset, seed=0)
+    loader = DataLoader(dataset, batch_size=batch, shuffle=False, sampler=sampler)
+    model = DDP(UNet())
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    times = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        dist.barrier()
+        start = time.perf_counter()
+        for images, masks in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(images), masks)
+            loss.backward()
+            optimizer.step()
+        times.append((time.perf_counter() - start) / len(loader))
+    dist.destroy_process_group()
+    return times
+
+
+def service(epochs: int, batch: int) -> list[float]:
+    """The service's own loop (``train_epoch``), built exactly as ``ddp-service train`` builds it."""
+    import torch.distributed as dist
+
+    from service.config import load_config
+    from service.distributed import init_distributed, shutdown_distributed
+    from service.env import detect_world
+    from service.train import LoopState, _Window, build_job, train_epoch
+
+    overrides = [
+        f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
+        "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=1000000",
+        "metrics.tensorboard=false", "metrics.port=0", "checkpoint.every_steps=0",
+    ]  # fmt: skip
+    config = load_config(None, overrides)
+    world = detect_world(os.environ)
+    ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
+    job = build_job(config, world, ctx)
+    state, window, times = LoopState(), _Window(job.device), []
+    for epoch in range(epochs):
+        state.epoch = epoch
+        dist.barrier()
+        start = time.perf_counter()
+        train_epoch(job, state, window)
+        times.append((time.perf_counter() - start) / job.steps_per_epoch)
+    job.roles.close()
+    del job
+    shutdown_distributed()
+    return times
+
+
+def run(mode: str, epochs: int, batch: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               __file__, "--worker", mode, "--epochs", str(epochs), "--batch", str(batch), "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text())[1:]  # the first epoch warms up allocators and threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--worker", choices=["bare", "service"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.epochs, args.batch, args.out)
+        return
+    samples: dict[str, list[float]] = {"bare": [], "service": []}
+    for round_ in range(args.rounds):
+        order = ("bare", "service") if round_ % 2 == 0 else ("service", "bare")
+        for mode in order:
+            samples[mode] += run(mode, args.epochs, args.batch)
+        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
+            f"{m} {statistics.median(v) * 1e3:.2f} ms/step" for m, v in samples.items()), flush=True)  # fmt: skip
+    bare_ms = statistics.median(samples["bare"]) * 1e3
+    service_ms = statistics.median(samples["service"]) * 1e3
+    print(f"\n{'loop':<10}{'median ms/step':>16}{'epochs timed':>14}")
+    print(f"{'bare':<10}{bare_ms:>16.2f}{len(samples['bare']):>14}")
+    print(f"{'service':<10}{service_ms:>16.2f}{len(samples['service']):>14}")
+    print(f"\nthroughput ratio service/bare: {bare_ms / service_ms:.3f} (target >= 0.99)")
+
+
+if __name__ == "__main__":
+    main()
