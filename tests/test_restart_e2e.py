@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, kill_group, read_summary, torchrun_cmd
+from conftest import REPO, child_env, descendants, kill_group, read_summary, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -49,20 +49,16 @@ class LineWatcher:
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
-    """LOCAL_RANK → pid of the agent's worker processes, read from /proc."""
+    """LOCAL_RANK → pid of the agent's worker processes."""
     workers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in descendants(agent_pid):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if ppid == agent_pid:
-            for item in environ:
-                if item.startswith(b"LOCAL_RANK="):
-                    workers[int(item.split(b"=", 1)[1])] = int(entry.name)
+        for item in environ:
+            if item.startswith(b"LOCAL_RANK="):
+                workers[int(item.split(b"=", 1)[1])] = pid
     return workers
 
 
