@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # agents.py imports procs from there
 
 from tests.rendezvous.agents import Agent, descendants, recovery_seconds  # noqa: E402
 from tests.rendezvous.conftest import find_etcd, free_port, start_single  # noqa: E402

@@ -54,15 +54,27 @@ def select_device(world: WorldInfo, backend: str, device_count: int) -> torch.de
     return torch.device("cuda", world.local_rank)
 
 
-def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
-    """The process group's store, in a namespace of its own for each restart attempt.
+def store_namespace(world: WorldInfo) -> str:
+    """The key prefix for this attempt's process group.
 
-    Under torchrun the workers share the agent's store across restarts. Without
-    a per-attempt prefix, restarted workers read the previous attempt's gloo
-    addresses and fail with "Gloo connectFullMesh failed ... Connection refused".
-    When the agent does not share its store (TORCHELASTIC_USE_AGENT_STORE=False),
-    rank 0 hosts it.
+    Under torchrun's shared agent store (TORCHELASTIC_USE_AGENT_STORE=True, the
+    default) the store outlives attempts: without a per-attempt prefix,
+    restarted workers read the previous attempt's gloo addresses and fail with
+    "Gloo connectFullMesh failed ... Connection refused".
+
+    When the agent does not share its store (the etcd3 rendezvous turns sharing
+    off) worker rank 0 hosts a fresh store every round, so no attempt number is
+    needed, and none may be used: TORCHELASTIC_RESTART_COUNT is per agent. An
+    agent restarting for a failure counts up, one restarting for a membership
+    change does not, and prefixes keyed on it would split the world.
     """
+    if world.use_agent_store:
+        return f"{STORE_PREFIX}/attempt-{world.restart_count}/"
+    return f"{STORE_PREFIX}/"
+
+
+def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
+    """The process group's store: the agent's (shared) one, or one that rank 0 hosts."""
     if world.world_size == 1:
         base: dist.Store = dist.HashStore()
     else:
@@ -74,7 +86,7 @@ def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
             timeout=timeout,
             wait_for_workers=False,
         )
-    return dist.PrefixStore(f"{STORE_PREFIX}/attempt-{world.restart_count}/", base)
+    return dist.PrefixStore(store_namespace(world), base)
 
 
 def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: int) -> DistContext:

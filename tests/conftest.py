@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from procs import descendants, kill_tree  # noqa: F401 - descendants is used by the tests
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -75,39 +76,9 @@ def run_job(run_dir: Path, nproc: int, *overrides: str, config: str | None = Non
     return finished
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, read from /proc (children first found, then theirs)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        children = parents.get(queue.pop(), [])
-        found += children
-        queue += children
-    return found
-
-
-def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Kill a child started with start_new_session=True and everything below it.
-
-    torchrun starts its workers in sessions of their own, so killing torchrun's
-    group alone would leave them running.
-    """
-    for pid in [*descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child started with start_new_session=True and everything below it."""
+    kill_tree(proc.pid)
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -13,11 +13,11 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, descendants, kill_group, read_summary, torchrun_cmd
+from conftest import REPO, child_env, kill_group, read_summary, torchrun_cmd
+from procs import worker_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -46,20 +46,6 @@ class LineWatcher:
 
     def text(self) -> str:
         return "".join(line for _, line in self.lines)
-
-
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """LOCAL_RANK → pid of the agent's worker processes."""
-    workers = {}
-    for pid in descendants(agent_pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"LOCAL_RANK="):
-                workers[int(item.split(b"=", 1)[1])] = pid
-    return workers
 
 
 def test_killed_worker_is_restarted_and_training_resumes(tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 
 from service.checkpoint import Rank0Checkpointer, list_checkpoints
 from service.config import TrainConfig, load_config
-from service.distributed import attempt_store, select_backend, select_device
+from service.distributed import attempt_store, select_backend, select_device, store_namespace
 from service.env import EnvError, WorldInfo
 from service.errors import INPLACE_MARKER, InplaceGradientError, backward
 from service.metrics import PrometheusSink, StepReport
@@ -98,6 +98,14 @@ def test_attempt_store_namespaces_each_restart(unused_tcp_port):
     assert worker_store(0).check(["rank0-address"])
     assert not worker_store(1).check(["rank0-address"])
     assert agent_store.num_keys() >= 1
+
+
+def test_store_namespace_only_counts_attempts_in_a_shared_store():
+    shared = WorldInfo("torchrun", restart_count=2, use_agent_store=True)
+    fresh = WorldInfo("torchrun", restart_count=2, use_agent_store=False)
+    assert store_namespace(shared) == "ddp-service/attempt-2/"
+    # Agents' restart counts differ after a membership change; a fresh store needs no attempt key.
+    assert store_namespace(fresh) == store_namespace(WorldInfo("torchrun", restart_count=0)) == "ddp-service/"
 
 
 def test_sync_batchnorm_switch():

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
+from procs import descendants, kill_tree  # noqa: F401 - descendants is re-exported for the bench
 
 STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\].*\bstep (\d+)\b", re.M)
 
@@ -41,41 +42,6 @@ while not os.path.exists(gate) and time.monotonic() < deadline:
 sys.argv = ["torchrun", *sys.argv[2:]]
 run.main(sys.argv[1:])
 """
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid``, read from /proc (no psutil needed)."""
-    children, found, todo = _children_map(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant's group, collected first."""
-    targets = [pid, *descendants(pid)]
-    for target in targets:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 class Agent:

@@ -6,11 +6,15 @@ Tiny jobs, bounded waits; every agent is killed (with its workers) on teardown.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from procs import worker_pids
 
 from .agents import Agent, recovery_seconds, train_args
 from .conftest import REPO, EtcdCluster, EtcdMember, free_port
@@ -89,6 +93,28 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     assert recovery is not None
     print(f"recovery after losing the rank-0 node: {recovery:.2f} s")
     assert recovery < 12  # about 5 s on an idle machine; bench/rendezvous.py measures it
+
+
+def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
+) -> None:
+    """The node that lost a worker restarts as attempt 1, its peer (a membership change) as attempt 0.
+
+    Their workers must still meet: the store they share is fresh each round, so
+    nothing in it may be keyed on the per-agent restart count.
+    """
+    run_dir = tmp_path / "run"
+    job = train_args(run_dir, 40)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    a.wait_for(r"\[rank [01]\].*\bstep 2\b", 120)
+    b.wait_for(r"\[rank [01]\].*\bstep 2\b", 30)
+    os.kill(worker_pids(b.proc.pid)[0], signal.SIGKILL)
+    for agent in (a, b):
+        assert_ok(agent, 120)
+    result = summary(run_dir)
+    assert result["world_size"] == 2 and result["global_step"] == 40
+    assert "attempt 1" in b.log() and "attempt 0" in a.log()
 
 
 def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:

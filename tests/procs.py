@@ -1,0 +1,58 @@
+"""Process-tree helpers for tests and benchmarks: torchrun starts workers in sessions of their own."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid``, read from /proc (no psutil needed)."""
+    children, found, todo = _children_map(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``pid``'s process group and every descendant's group, collected first.
+
+    Killing torchrun's group alone would leave its workers running.
+    """
+    for target in [pid, *descendants(pid)]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """LOCAL_RANK → pid of a torchrun agent's worker processes."""
+    workers = {}
+    for pid in descendants(agent_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"LOCAL_RANK="):
+                workers[int(item.split(b"=", 1)[1])] = pid
+    return workers
