@@ -36,8 +36,11 @@ demo: install
 test: install-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+## bench: the loop-overhead and rendezvous benchmarks (not tests; they print ratios).
 bench: install-test
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/overhead.py
+	$(PY) bench/rendezvous.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
