@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -82,6 +83,7 @@ class EtcdClient:
         self._outage_since: float | None = None
         self._connected_once = False
         self._created = time.monotonic()
+        self._last_error: str | None = None
         self._need_auth = options.user is not None
         self._client = self._build()
 
@@ -117,7 +119,8 @@ class EtcdClient:
                     raise
                 remaining = self._window_left()
                 if remaining <= 0:
-                    raise EtcdUnavailableError(self._unavailable_message(what, exc.__cause__)) from exc.__cause__
+                    last = self._last_error or exc.__cause__
+                    raise EtcdUnavailableError(self._unavailable_message(what, last)) from exc.__cause__
                 time.sleep(min(delay, remaining) * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, 0.5)
                 continue
@@ -133,6 +136,8 @@ class EtcdClient:
             return op(self._client)
         except _TRANSIENT_ERRORS as exc:
             self._mark_failed()
+            if not isinstance(exc, etcd_exc.NoServerAvailableError):
+                self._last_error = _describe(exc)
             raise EtcdUncertainError(str(exc)) from exc
         except ValueError as exc:
             if not is_failed_node_error(exc):
@@ -148,7 +153,8 @@ class EtcdClient:
             # Raw errors (authentication, lease streams) skip pyetcd's own bookkeeping.
             self._fail_current_endpoint()
             self._mark_failed()
-            return EtcdUncertainError(f"{code.name}: {details}")
+            self._last_error = f"{code.name}: {details}"
+            return EtcdUncertainError(self._last_error)
         if code == grpc.StatusCode.UNAUTHENTICATED and self.options.user is not None:
             # Tokens are per member and lost on restart: log in again, then retry.
             self._need_auth = True
@@ -182,6 +188,7 @@ class EtcdClient:
     def _mark_ok(self) -> None:
         self._connected_once = True
         self._outage_since = None
+        self._last_error = None
 
     def _mark_failed(self) -> None:
         if self._outage_since is None:
@@ -195,7 +202,7 @@ class EtcdClient:
         start = self._outage_since if self._outage_since is not None else now
         return start + self.options.grace_period - now
 
-    def _unavailable_message(self, what: str, cause: BaseException | None) -> str:
+    def _unavailable_message(self, what: str, cause: BaseException | str | None) -> str:
         waited = self.options.grace_period if self._connected_once else self.options.read_timeout
         return (
             f"etcd at {self.endpoints} is unreachable; {what} failed and was retried for "
@@ -226,10 +233,32 @@ class EtcdClient:
         opts = self.options
         if opts.cacert is None:
             return None
-        try:
-            return pyetcd.MultiEndpointEtcd3Client.get_secure_creds(opts.cacert, opts.key, opts.cert)
-        except OSError as exc:
-            raise ValueError(f"The TLS files for etcd cannot be read: {exc}.") from exc
+        # gRPC takes any bytes here and fails only at the handshake, as if etcd were
+        # unreachable; a file that is not PEM at all is refused now, by name.
+        ca = _read_pem(opts.cacert, "cacert", b"-----BEGIN CERTIFICATE-----")
+        cert = None if opts.cert is None else _read_pem(opts.cert, "cert", b"-----BEGIN CERTIFICATE-----")
+        key = None if opts.key is None else _read_pem(opts.key, "key", b"PRIVATE KEY-----")
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _read_pem(path: str, option: str, marker: bytes) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"The TLS file '{path}' given as '{option}' cannot be read: {exc.strerror}.") from exc
+    if marker not in data:
+        what = "private key" if option == "key" else "certificate"
+        raise ValueError(f"The TLS file '{path}' given as '{option}' holds no PEM {what}.")
+    return data
+
+
+def _describe(exc: BaseException) -> str:
+    """pyetcd's error, with gRPC's reason (a failed TLS handshake, say) that pyetcd drops."""
+    context = exc.__context__
+    if isinstance(context, grpc.RpcError):
+        code, details = _code_and_details(context)
+        return f"{exc}: {code.name}: {details}"
+    return str(exc)
 
 
 def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

