@@ -12,6 +12,7 @@ step time of each and the throughput ratio service / bare (target >= 0.99).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -60,6 +61,10 @@ def bare(epochs: int, batch: int) -> list[float]:
             loss.backward()
             optimizer.step()
         times.append((time.perf_counter() - start) / len(loader))
+    # Untimed teardown: free DDP before its process group, or gloo can hang or abort at exit
+    # (the reason service.distributed.shutdown_distributed collects first).
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     return times
 
@@ -101,7 +106,9 @@ def run(mode: str, epochs: int, batch: int) -> list[float]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                __file__, "--worker", mode, "--epochs", str(epochs), "--batch", str(batch), "--out", str(out)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"The {mode} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
         return json.loads(out.read_text())[1:]  # the first epoch warms up allocators and threads
 
 

@@ -79,7 +79,9 @@ class MetricsConfig(_Section):
 class DDPConfig(_Section):
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
-    bucket_cap_mb: int = Field(25, ge=1)
+    bucket_cap_mb: int | None = Field(
+        None, ge=1, description="Gradient bucket size; null keeps torch's default (25 MiB, a small first bucket)."
+    )
 
 
 class DistConfig(_Section):

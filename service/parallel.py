@@ -32,6 +32,8 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=ddp.find_unused_parameters,
+        # None keeps torch's default: 25 MiB buckets after a small first one, so the
+        # all-reduce of the last layers' gradients starts while backward still runs.
         bucket_cap_mb=ddp.bucket_cap_mb,
         **_buffer_sync_kwargs(ddp.broadcast_buffers),
     )
