@@ -12,9 +12,13 @@ import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from service.config import ConfigError, config_as_yaml, load_config
+from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.env import EnvError, WorldInfo, detect_world
+
+if TYPE_CHECKING:  # torch stays unimported for validate and env
+    from service.distributed import DistContext
 
 log = logging.getLogger("service")
 
@@ -56,14 +60,14 @@ def _record(function):  # noqa: ANN001, ANN202
     return record(function)
 
 
-def train_command(config, world: WorldInfo) -> int:  # noqa: ANN001 - JobConfig, kept lazy
+def train_command(config: JobConfig, world: WorldInfo) -> int:
     from service.logs import configure_logging
 
     configure_logging(world.rank)
     return _record(_train)(config, world)
 
 
-def _train(config, world: WorldInfo) -> int:  # noqa: ANN001
+def _train(config: JobConfig, world: WorldInfo) -> int:
     from service.distributed import init_distributed, shutdown_distributed
 
     dist_ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
@@ -81,7 +85,7 @@ def _train(config, world: WorldInfo) -> int:  # noqa: ANN001
     return 0
 
 
-def _run_job(config, world: WorldInfo, dist_ctx) -> dict:  # noqa: ANN001
+def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> dict:
     """Build and train; the job (and its DDP model) dies with this frame, before the process group.
 
     Freed the other way round, DDP's reducer drops the last reference to a gloo

@@ -28,7 +28,8 @@ from service.metrics import EvalReport, StepReport
 from service.parallel import unwrap, wrap_model
 from service.roles import Roles, build_roles
 from service.summary import model_digest
-from service.tasks import Task, load_task
+from service.tasks.base import Task
+from service.tasks.loader import load_task
 
 
 @dataclasses.dataclass

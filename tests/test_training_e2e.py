@@ -97,7 +97,7 @@ def test_inplace_error_is_reraised_with_the_hint(tmp_path):
 
 def test_task_returning_wrong_type_is_named(tmp_path):
     proc = run_job(tmp_path / "run", 1, "task=bad_tasks:not_a_task", expect_ok=False)
-    assert proc.returncode != 0 and "returned dict, not service.tasks.Task" in proc.stdout
+    assert proc.returncode != 0 and "returned dict, not service.tasks.base.Task" in proc.stdout
 
 
 def test_bring_your_own_task_from_module_function(tmp_path):

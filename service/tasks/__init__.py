@@ -1,50 +1,6 @@
-"""Tasks: built-in ones by name, user ones as ``package.module:function``."""
+"""Tasks: built-in ones by name (``registry``), user ones as ``package.module:function``.
 
-from __future__ import annotations
-
-import importlib
-from collections.abc import Mapping
-from typing import Any
-
-from service.tasks.base import Task, TaskSpec
-from service.tasks.registry import BUILTIN_TASKS
-
-__all__ = ["BUILTIN_TASKS", "Task", "TaskSpec", "TaskError", "load_task"]
-
-
-class TaskError(ValueError):
-    """A task reference cannot be loaded or its build function returned the wrong thing."""
-
-
-def resolve(reference: str) -> Any:
-    """Turn ``name`` or ``package.module:function`` into the build function."""
-    target = BUILTIN_TASKS.get(reference, reference)
-    module_name, sep, attribute = target.partition(":")
-    if not sep:
-        raise TaskError(
-            f"The task {reference!r} is neither a built-in task ({', '.join(sorted(BUILTIN_TASKS))}) "
-            "nor a 'package.module:function' reference."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskError(
-            f"The task module {module_name!r} could not be imported ({exc}). Install the package that "
-            "provides it, or put its folder on PYTHONPATH."
-        ) from exc
-    try:
-        return getattr(module, attribute)
-    except AttributeError as exc:
-        raise TaskError(f"The task module {module_name!r} has no function {attribute!r}.") from exc
-
-
-def load_task(reference: str, seed: int, options: Mapping[str, Any]) -> Task:
-    """Build a task; a build function gets one :class:`TaskSpec` and must return a :class:`Task`."""
-    build = resolve(reference)
-    task = build(TaskSpec(seed=seed, options=dict(options)))
-    if not isinstance(task, Task):
-        raise TaskError(
-            f"The task function {reference!r} returned {type(task).__name__}, not service.tasks.Task. "
-            "Return Task(model=..., train_set=..., eval_set=..., loss_fn=..., metric_fn=..., metric_name=...)."
-        )
-    return task
+A task's build function takes a ``base.TaskSpec`` and returns a ``base.Task``;
+``loader.load_task`` resolves and calls it. This package's ``__init__`` imports
+nothing, so validating a config does not load torch.
+"""
