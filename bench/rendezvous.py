@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # agents.py imports procs from there
 
-from tests.rendezvous.agents import Agent, descendants, recovery_seconds  # noqa: E402
+from procs import worker_pids  # noqa: E402
+from tests.rendezvous.agents import Agent, recovery_seconds  # noqa: E402
 from tests.rendezvous.conftest import find_etcd, free_port, start_single  # noqa: E402
 
 ONE_JOIN = """
@@ -123,11 +126,11 @@ def recovery_time(backend: str, etcd_endpoint: str, workdir: Path) -> float:
     try:
         for agent in agents:
             agent.wait_for(r"\[rank \d\].*\bstep 3\b", 120)
-        workers = [pid for pid in descendants(agents[1].proc.pid) if _is_worker(pid)]
+        workers = worker_pids(agents[1].proc.pid)
         if not workers:
             raise RuntimeError(f"No worker found under agent {agents[1].proc.pid}.")
         killed_at = time.time()
-        subprocess.run(["kill", "-9", str(workers[0])], check=True)
+        os.kill(workers[0], signal.SIGKILL)
         for agent in agents:
             if agent.wait(60) != 0:
                 raise RuntimeError(f"{backend}: agent failed:\n{agent.log()[-3000:]}")
@@ -138,14 +141,6 @@ def recovery_time(backend: str, etcd_endpoint: str, workdir: Path) -> float:
     finally:
         for agent in agents:
             agent.kill()
-
-
-def _is_worker(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return any(part.endswith(b"ddp_steps.py") for part in cmdline)
 
 
 def median(values: list[float]) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import descendants, kill_tree  # noqa: F401 - descendants is used by the tests
+from procs import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -25,11 +25,11 @@ QUICK = (
 )
 
 
-def require_tool(name: str) -> str:
-    """Path of an executable; a skip that says why, or a failure under CI=true."""
-    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+def require_tool(name: str, why: str = "`make test` installs the test dependencies.") -> str:
+    """Path of an executable (this venv's first); a skip that says why, or a failure under CI=true."""
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if path is None:
-        message = f"{name} is not installed; `make test` installs the test dependencies."
+        message = f"The {name} command is missing; {why}"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)

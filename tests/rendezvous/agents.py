@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from procs import descendants, kill_tree  # noqa: F401 - descendants is re-exported for the bench
+from procs import kill_tree
 
 STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\].*\bstep (\d+)\b", re.M)
 

