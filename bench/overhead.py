@@ -71,12 +71,10 @@ def bare(epochs: int, batch: int) -> list[float]:
 
 def service(epochs: int, batch: int) -> list[float]:
     """The service's own loop (``train_epoch``), built exactly as ``ddp-service train`` builds it."""
-    import torch.distributed as dist
-
     from service.config import load_config
-    from service.distributed import init_distributed, shutdown_distributed
+    from service.distributed import distributed
     from service.env import detect_world
-    from service.train import LoopState, _Window, build_job, train_epoch
+    from service.train import build_job
 
     overrides = [
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
@@ -85,8 +83,16 @@ def service(epochs: int, batch: int) -> list[float]:
     ]  # fmt: skip
     config = load_config(None, overrides)
     world = detect_world(os.environ)
-    ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
-    job = build_job(config, world, ctx)
+    with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx:
+        return _time_service_epochs(build_job(config, world, ctx), epochs)
+
+
+def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a service.train.Job
+    """Seconds per step of each epoch; the job dies with this frame, before its process group."""
+    import torch.distributed as dist
+
+    from service.train import LoopState, _Window, train_epoch
+
     state, window, times = LoopState(), _Window(job.device), []
     for epoch in range(epochs):
         state.epoch = epoch
@@ -95,8 +101,6 @@ def service(epochs: int, batch: int) -> list[float]:
         train_epoch(job, state, window)
         times.append((time.perf_counter() - start) / job.steps_per_epoch)
     job.roles.close()
-    del job
-    shutdown_distributed()
     return times
 
 

@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -68,17 +67,10 @@ def train_command(config: JobConfig, world: WorldInfo) -> int:
 
 
 def _train(config: JobConfig, world: WorldInfo) -> int:
-    from service.distributed import init_distributed, shutdown_distributed
+    from service.distributed import distributed
 
-    dist_ctx = init_distributed(world, config.dist.backend, config.dist.timeout_seconds)
-    try:
+    with distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
         summary = _run_job(config, world, dist_ctx)
-    except BaseException as exc:
-        # The traceback would keep the DDP model alive past the process group; see _run_job.
-        traceback.clear_frames(exc.__traceback__)
-        raise
-    finally:
-        shutdown_distributed()
     log.info("done: step %d, %s %.4f, %.1f samples/s", summary["global_step"],
              summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
              summary["samples_per_second"] or 0.0)  # fmt: skip
@@ -86,12 +78,7 @@ def _train(config: JobConfig, world: WorldInfo) -> int:
 
 
 def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> dict:
-    """Build and train; the job (and its DDP model) dies with this frame, before the process group.
-
-    Freed the other way round, DDP's reducer drops the last reference to a gloo
-    process group while holding the GIL, and the group's destructor joins a
-    worker thread that waits for the GIL: the process hangs at exit.
-    """
+    """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
     from service.train import build_job, train
 
     job = build_job(config, world, dist_ctx)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
+import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -106,6 +109,24 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
     return DistContext(backend=backend, device=device)
+
+
+@contextlib.contextmanager
+def distributed(world: WorldInfo, requested_backend: str, timeout_seconds: int) -> Iterator[DistContext]:
+    """The process group for the body of a ``with``, torn down safely however the body ends.
+
+    Build the DDP model inside a function called from the body, so that it is
+    freed when that function returns; on an exception its traceback's frames
+    are cleared here, or they would keep the model alive past the group.
+    """
+    context = init_distributed(world, requested_backend, timeout_seconds)
+    try:
+        yield context
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        shutdown_distributed()
 
 
 def shutdown_distributed() -> None:
