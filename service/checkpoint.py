@@ -1,18 +1,27 @@
-"""Rank-0 checkpoints of the unwrapped model (``model.module.state_dict()``), and the null one.
+"""Who saves checkpoints and when: rank 0, every N steps, at the end and on preemption; the others never.
 
-Written to a temporary name and renamed, so a crash mid-save never leaves a
-truncated file under a checkpoint's name.
+The file format and its atomic write live in :mod:`service.checkpoint_io`.
+With ``checkpoint.async`` the periodic saves are staged into reused CPU
+buffers (pinned on CUDA) at the step boundary and written by one background
+thread while training goes on; at most one save is in flight. Saves at the end
+and on preemption are synchronous. A failed save, in the foreground or the
+background, leaves the previous checkpoints valid; ``checkpoint.on_error``
+decides whether training stops (the default) or goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from service.checkpoint_io import CheckpointWriteError, candidate_steps, prune, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -20,44 +29,146 @@ StateFn = Callable[[], dict[str, Any]]
 
 
 class Checkpointer:
-    """Saves nothing: what every rank but 0 gets, and rank 0 when checkpoints are off."""
+    """Saves nothing: what every rank but 0 gets."""
 
-    def maybe_save(self, global_step: int, state: StateFn) -> Path | None:
-        return None
+    failures = 0
+    last_path: Path | None = None
 
-    def save(self, global_step: int, state: StateFn) -> Path | None:
-        return None
+    def maybe_save(self, global_step: int, state: StateFn) -> None:
+        """Called at every optimizer step; also reports a background save that failed."""
+
+    def save(self, global_step: int, state: StateFn) -> None:
+        """A synchronous save (end of run, preemption); waits for one in flight first."""
+
+    def close(self) -> None:
+        """Wait for a save in flight and stop the writer."""
+
+
+class StagingBuffer:
+    """A snapshot of a state dict in CPU tensors that are allocated once and reused."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def stage(self, value: Any, path: str = "") -> Any:
+        if isinstance(value, torch.Tensor):
+            buffer = self.tensors.get(path)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self.pin)
+                self.tensors[path] = buffer
+            buffer.copy_(value.detach(), non_blocking=self.pin)
+            return buffer
+        if isinstance(value, dict):
+            return {key: self.stage(item, f"{path}/{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.stage(item, f"{path}/{index}") for index, item in enumerate(value))
+        return value
 
 
 class Rank0Checkpointer(Checkpointer):
-    def __init__(self, directory: Path, every_steps: int, keep: int) -> None:
+    def __init__(self, directory: Path, every_steps: int, keep: int, config_hash: str, on_error: str,
+                 async_save: bool, start_fresh: bool = False, pin: bool = False) -> None:  # fmt: skip
         self.directory = directory
         self.every_steps = every_steps
         self.keep = keep
+        self.config_hash = config_hash
+        self.on_error = on_error
+        self.saved_step: int | None = None
+        self.failures = 0
+        self.last_path = None
+        self._staging = StagingBuffer(pin) if async_save else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_save else None
+        self._inflight: Future | None = None
+        self._inflight_step: int | None = None
+        self._lock = threading.Lock()
+        if start_fresh:
+            archive_existing(directory)
 
-    def maybe_save(self, global_step: int, state: StateFn) -> Path | None:
-        if global_step % self.every_steps:
-            return None
-        return self.save(global_step, state)
+    def maybe_save(self, global_step: int, state: StateFn) -> None:
+        self._report_background()
+        if not self.every_steps or global_step % self.every_steps:
+            return
+        if self._writer is None:
+            self._write(global_step, state())
+            return
+        self._wait()
+        started = time.perf_counter()
+        staged = self._staging.stage(state())
+        ready = torch.cuda.Event() if self._staging.pin else None
+        if ready is not None:
+            ready.record()
+        self._inflight_step = global_step
+        self._inflight = self._writer.submit(self._write_staged, global_step, staged, ready)
+        log.info("checkpoint step %d staged in %.3f s; writing in the background", global_step,
+                 time.perf_counter() - started)  # fmt: skip
 
-    def save(self, global_step: int, state: StateFn) -> Path | None:
-        """Save once per step: the end-of-run save skips a step already saved."""
-        path = self.directory / f"step-{global_step:08d}.pt"
-        if path.exists():
-            return path
-        self.directory.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        torch.save(state(), partial)
-        os.replace(partial, path)
-        log.info("checkpoint saved: %s", path)
-        self._prune()
-        return path
+    def save(self, global_step: int, state: StateFn) -> None:
+        self._wait()
+        future, self._inflight, self._inflight_step = self._inflight, None, None
+        if future is not None and future.exception() is not None:
+            log.error("the background save failed (%s); saving step %d now", future.exception(), global_step)
+        if self.saved_step == global_step:
+            return  # this process wrote this very step already; the weights have not moved since
+        self._write(global_step, state())
 
-    def _prune(self) -> None:
-        for old in list_checkpoints(self.directory)[: -self.keep]:
-            old.unlink(missing_ok=True)
+    def close(self) -> None:
+        self._wait()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
+    def _write_staged(self, global_step: int, staged: dict[str, Any], ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
+        self._write(global_step, staged, background=True)
+
+    def _write(self, global_step: int, state: dict[str, Any], background: bool = False) -> None:
+        started = time.perf_counter()
+        try:
+            manifest = write_checkpoint(self.directory, global_step, state, self.config_hash)
+        except CheckpointWriteError as exc:
+            with self._lock:
+                self.failures += 1
+            if background:
+                raise
+            self._handle(exc)
+            return
+        with self._lock:
+            self.saved_step = global_step
+            self.last_path = self.directory / manifest.file
+        log.info("checkpoint saved: %s (%.1f MiB in %.2f s%s)", self.last_path, manifest.size / 2**20,
+                 time.perf_counter() - started, ", background" if background else "")  # fmt: skip
+        prune(self.directory, self.keep, global_step)
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            self._inflight.exception()  # blocks until done; the error is reported by _report_background
+
+    def _report_background(self) -> None:
+        future, step = self._inflight, self._inflight_step
+        if future is None or not future.done():
+            return
+        self._inflight = self._inflight_step = None
+        error = future.exception()
+        if error is not None:
+            log.error("the background save of step %d failed", step)
+            self._handle(error)
+
+    def _handle(self, error: BaseException) -> None:
+        if self.on_error == "stop" or not isinstance(error, CheckpointWriteError):
+            raise error
+        log.error("%s Training goes on (checkpoint.on_error=continue).", error)
 
 
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (the zero-padded step sorts by name)."""
-    return sorted(directory.glob("step-*.pt"))
+def archive_existing(directory: Path) -> Path | None:
+    """``checkpoint.resume=never``: move earlier checkpoints aside (nothing is deleted) before this run saves."""
+    if not candidate_steps(directory):
+        return None
+    target = directory.with_name(f"{directory.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+    suffix = 0
+    while target.exists():
+        suffix += 1
+        target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
+    directory.rename(target)
+    log.warning("checkpoint.resume=never: moved the earlier checkpoints in %s to %s", directory, target)
+    return target

@@ -68,13 +68,18 @@ def train_command(config: JobConfig, world: WorldInfo) -> int:
 
 def _train(config: JobConfig, world: WorldInfo) -> int:
     from service.distributed import distributed
+    from service.preemption import EXIT_COMPLETED, EXIT_PREEMPTED
 
     with distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
         summary = _run_job(config, world, dist_ctx)
+    if summary["status"] == "preempted":
+        log.warning("preempted: stopped at step %d after saving its checkpoint; run the same command to resume",
+                    summary["global_step"])  # fmt: skip
+        return EXIT_PREEMPTED
     log.info("done: step %d, %s %.4f, %.1f samples/s", summary["global_step"],
              summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
              summary["samples_per_second"] or 0.0)  # fmt: skip
-    return 0
+    return EXIT_COMPLETED
 
 
 def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> dict:
@@ -85,6 +90,7 @@ def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> dict
     try:
         return train(job)
     finally:
+        job.preemption.close()
         job.roles.close()
 
 

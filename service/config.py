@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from service.tasks.registry import BUILTIN_TASKS
 
@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
 
 
 def _switch(value: Any) -> Any:
@@ -45,8 +45,12 @@ class TrainConfig(_Section):
     epochs: int = Field(2, ge=1, description="Passes over the training set.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step over the whole world, kept under resizes; null: "
+        "batch_size x world_size x grad_accum."
+    )
     lr: float = Field(0.05, gt=0)
-    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step (derived when global_batch_size is set).")
     amp: Amp = "auto"
     sync_batchnorm: OnOffAuto = "auto"
     strategy: Literal["ddp", "dp"] = "ddp"
@@ -59,15 +63,38 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
     progress_bar: bool = True
 
+    @model_validator(mode="after")
+    def _one_way_to_accumulate(self) -> TrainConfig:
+        if self.global_batch_size is not None and self.grad_accum != 1:
+            raise ValueError(
+                f"train.grad_accum={self.grad_accum} and train.global_batch_size={self.global_batch_size} are "
+                "both set; set only global_batch_size (grad_accum is then derived at every start) or only grad_accum"
+            )
+        return self
+
 
 class DataConfig(_Section):
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
+    trace: bool = Field(False, description="Write each rank's consumed sample indices to run_dir/trace/.")
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(50, ge=0, description="Save every N optimizer steps; 0 turns it off.")
-    keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    every_steps: int = Field(50, ge=0, description="Save every N optimizer steps; 0: only at the end and on preemption.")
+    keep: int = Field(3, description="How many recent complete checkpoints to keep (at least 2).")
+    resume: Literal["auto", "never", "require"] = "auto"
+    async_save: bool = Field(False, alias="async", description="Write periodic saves in the background.")
+    on_error: Literal["stop", "continue"] = "stop"
+
+    @field_validator("keep")
+    @classmethod
+    def _keep_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"checkpoint.keep must be at least 2, so that the previous checkpoint survives while the next "
+                f"one is written; got {value}. Use --set checkpoint.keep=2"
+            )
+        return value
 
 
 class MetricsConfig(_Section):

@@ -1,22 +1,24 @@
-"""Loaders that give each rank its own shard: DistributedSampler for training, a plain stride for eval."""
+"""Loaders that give each rank its share: a resumable plan for training, a plain stride for eval."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from service.config import DataConfig
 from service.env import WorldInfo
+from service.sampler import DataPlan, PlanSampler, StepPlan
 
 
-def train_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: WorldInfo,
-                 seed: int) -> tuple[DataLoader, DistributedSampler]:  # fmt: skip
-    """Shuffled shards; call ``sampler.set_epoch(epoch)`` each epoch or every epoch repeats one order."""
-    sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank, shuffle=True, seed=seed)
+def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) -> tuple[DataLoader, PlanSampler]:
+    """Micro-batches in plan order; call ``sampler.position(epoch, cursor)`` before each pass."""
+    sampler = PlanSampler(plan)
     loader = DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        batch_sampler=sampler,
         num_workers=data.num_workers,
         pin_memory=data.pin_memory,
         persistent_workers=data.num_workers > 0,
@@ -30,3 +32,36 @@ def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: Worl
     shard = range(world.rank, len(dataset), world.world_size)  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=data.num_workers,
                       pin_memory=data.pin_memory)  # fmt: skip
+
+
+class SampleTrace:
+    """Records nothing: the default (``data.trace: false``)."""
+
+    def record(self, plan: StepPlan, global_step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class FileSampleTrace(SampleTrace):
+    """One JSON line per optimizer step with the sample indices this rank consumed (``run_dir/trace/``).
+
+    Written after the step, so the union of every rank's lines is what the
+    optimizer saw; the file name carries the world size and rank, so the
+    ranks of worlds before and after a resize never share a file.
+    """
+
+    def __init__(self, directory: Path, world: WorldInfo) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.world = world
+        self.file = open(directory / f"world{world.world_size}-rank{world.rank}.jsonl", "a")  # noqa: SIM115
+
+    def record(self, plan: StepPlan, global_step: int) -> None:
+        line = {"epoch": plan.epoch, "step": global_step, "start": plan.start, "size": plan.size,
+                "rank": self.world.rank, "world_size": self.world.world_size, "indices": plan.indices}  # fmt: skip
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

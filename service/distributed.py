@@ -9,6 +9,7 @@ import logging
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,16 @@ STORE_PREFIX = "ddp-service"
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
-    """What the rest of the job needs to know about communication: backend and device."""
+    """What the rest of the job needs to know about communication: backend, device, control group.
+
+    ``control`` carries the small host-side collectives (the preemption flag,
+    the resume agreement, checkpoint bytes): the default group under gloo, a
+    gloo group beside NCCL, so they never touch the GPU stream.
+    """
 
     backend: str
     device: torch.device
+    control: Any = None
 
     @property
     def is_cuda(self) -> bool:
@@ -106,9 +113,21 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
         world_size=world.world_size,
         timeout=timeout,
     )
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
-    return DistContext(backend=backend, device=device)
+    return DistContext(backend=backend, device=device, control=control)
+
+
+def any_rank(group: Any) -> Any:
+    """A collective that tells every rank whether any rank passed True (one CPU all-reduce)."""
+
+    def agree(local: bool) -> bool:
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    return agree
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from service.checkpoint import Checkpointer, Rank0Checkpointer
 from service.config import JobConfig
+from service.data import FileSampleTrace, SampleTrace
 from service.env import WorldInfo
 from service.metrics import (
     FanOutSink,
@@ -24,13 +25,17 @@ class Roles:
     sink: MetricsSink
     checkpointer: Checkpointer
     summary: SummaryWriter
+    trace: SampleTrace
 
     def close(self) -> None:
+        self.checkpointer.close()
+        self.trace.close()
         self.sink.close()
 
 
-def build_roles(config: JobConfig, world: WorldInfo, total_steps: int) -> Roles:
-    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs and exports."""
+def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
+                device_is_cuda: bool = False) -> Roles:  # fmt: skip
+    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
     run_dir = Path(config.run_dir)
     is_rank0 = world.rank == 0
     sinks: list[MetricsSink] = [LogSink()]
@@ -41,10 +46,13 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int) -> Roles:
     if config.metrics.port:
         labels = {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank)}
         sinks.append(PrometheusSink(config.metrics.host, config.metrics.port + world.local_rank, labels))
+    ckpt = config.checkpoint
     checkpointer = (
-        Rank0Checkpointer(run_dir / "checkpoints", config.checkpoint.every_steps, config.checkpoint.keep)
-        if is_rank0 and config.checkpoint.every_steps
+        Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
+                          ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda)
+        if is_rank0
         else Checkpointer()
-    )
+    )  # fmt: skip
     summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
-    return Roles(sink=FanOutSink(sinks), checkpointer=checkpointer, summary=summary)
+    trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
+    return Roles(sink=FanOutSink(sinks), checkpointer=checkpointer, summary=summary, trace=trace)

@@ -9,24 +9,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
+from service.checkpoint_io import FORMAT
 from service.config import JobConfig, TrainConfig
 from service.data import eval_loader, train_loader
-from service.distributed import DistContext
+from service.distributed import DistContext, any_rank
 from service.env import WorldInfo
 from service.errors import backward
 from service.metrics import EvalReport, StepReport
 from service.parallel import unwrap, wrap_model
+from service.preemption import Preemption
+from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, restore, rng_state
 from service.roles import Roles, build_roles
+from service.sampler import DataPlan, PlanSampler, StepPlan
 from service.summary import model_digest
 from service.tasks.base import Task
 from service.tasks.loader import load_task
@@ -34,12 +41,17 @@ from service.tasks.loader import load_task
 
 @dataclasses.dataclass
 class LoopState:
-    """Where training stands; what a checkpoint must hold to resume."""
+    """Where training stands; what a checkpoint must hold to resume.
+
+    ``cursor`` is the data position: samples of this epoch's permutation that
+    optimizer steps have consumed, whatever the world size that consumed them.
+    """
 
     epoch: int = 0
     global_step: int = 0
     samples_seen: int = 0
     epochs_completed: int = 0
+    cursor: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +65,15 @@ class Job:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
+    plan: DataPlan
+    sampler: PlanSampler
     loader: DataLoader
-    sampler: DistributedSampler
     eval_loader: DataLoader
     roles: Roles
-    steps_per_epoch: int
+    preemption: Preemption
+    barrier: Callable[[], None]
+    state: LoopState
+    resumed: Resumed | None
     total_steps: int
     autocast: Callable[[], contextlib.AbstractContextManager]
 
@@ -85,28 +101,52 @@ def autocast_factory(setting: str, device: torch.device) -> Callable[[], context
     return contextlib.nullcontext
 
 
-def plan_steps(batches_per_epoch: int, train: TrainConfig) -> tuple[int, int]:
-    """Optimizer steps per epoch (a short last group still steps) and in the whole run."""
-    per_epoch = math.ceil(batches_per_epoch / train.grad_accum)
-    total = per_epoch * train.epochs
-    return per_epoch, min(total, train.max_steps) if train.max_steps else total
+def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(samples per optimizer step over the world, micro-steps per rank), decided at every (re)start."""
+    if train.global_batch_size is None:
+        return train.batch_size * world_size * train.grad_accum, train.grad_accum
+    per_micro_step = world_size * train.batch_size
+    if train.global_batch_size % per_micro_step:
+        raise ValueError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of world_size {world_size} x "
+            f"train.batch_size {train.batch_size} = {per_micro_step}, so no whole number of micro-steps makes "
+            "that global batch. Pick a global batch that is a multiple of it, or a batch_size that divides "
+            f"global_batch_size / world_size for every world size this job may run at."
+        )
+    return train.global_batch_size, train.global_batch_size // per_micro_step
+
+
+def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> int:
+    """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it."""
+    remaining = 0
+    if state.epoch < train.epochs:
+        remaining = plan.steps_in_epoch(state.cursor) + (train.epochs - state.epoch - 1) * plan.steps_in_epoch(0)
+    total = state.global_step + remaining
+    return min(total, train.max_steps) if train.max_steps else total
 
 
 def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job:
+    global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
+    preemption = Preemption(any_rank(dist_ctx.control))
     torch.manual_seed(config.seed)
     task = load_task(config.task, config.seed, config.task_options)
     train = config.train
     model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
-    loader, sampler = train_loader(task.train_set, train.batch_size, config.data, world, config.seed)
-    steps_per_epoch, total_steps = plan_steps(len(loader), train)
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"The training set of task {config.task!r} is empty for rank {world.rank}; check task_options."
-        )
+    checkpoints = Path(config.run_dir) / "checkpoints"
+    resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
+                                  config.checkpoint.resume)  # fmt: skip
+    if resumed is not None:
+        check_compatible(resumed, config)
+    state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
+    plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
+    total_steps = plan_total_steps(plan, state, train)
     optimizer = make_optimizer(model.parameters(), train)
     scheduler = LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule)
     )
+    if resumed is not None:
+        restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
+    loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
     return Job(
         config=config,
         world=world,
@@ -115,51 +155,57 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        loader=loader,
+        plan=plan,
         sampler=sampler,
+        loader=loader,
         eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world),
-        roles=build_roles(config, world, total_steps),
-        steps_per_epoch=steps_per_epoch,
+        roles=build_roles(config, world, total_steps, config_hash(config), dist_ctx.is_cuda),
+        preemption=preemption,
+        barrier=lambda: dist.barrier(group=dist_ctx.control),
+        state=state,
+        resumed=resumed,
         total_steps=total_steps,
         autocast=autocast_factory(train.amp, dist_ctx.device),
     )
 
 
-def _groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    group: list[Any] = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of one optimizer step on one rank: dropout and augmentation replay exactly on resume."""
+    return ((seed * 1_000_003 + step) * 7_919 + rank) % 2**32
 
 
-def optimizer_step(job: Job, micro_batches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, int]:
+def seed_step(seed: int, step: int, rank: int) -> None:
+    value = step_seed(seed, step, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value)
+
+
+def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Forward/backward each micro-batch (gradient sync only on the last), then one optimizer step.
 
-    Returns the step's mean loss (a detached tensor: no host sync here) and the samples used.
+    Each micro-batch's mean loss is scaled by its plan weight, so the gradient
+    DDP averages is the mean over every sample of the global step. Returns the
+    step's loss (a detached tensor: no host sync here).
     """
-    model, count, samples = job.model, len(micro_batches), 0
+    model, count = job.model, len(micro_batches)
     loss_sum = torch.zeros((), device=job.device)
-    for index, (inputs, targets) in enumerate(micro_batches):
+    for index, ((inputs, targets), part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
         inputs = inputs.to(job.device, non_blocking=True)
         targets = targets.to(job.device, non_blocking=True)
         last = index == count - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with job.autocast():
-                loss = job.task.loss_fn(model(inputs), targets) / count
+                loss = job.task.loss_fn(model(inputs), targets) * part.weight
             backward(loss)
         loss_sum += loss.detach()
-        samples += len(inputs)
     if job.config.train.grad_clip is not None:
         nn.utils.clip_grad_norm_(model.parameters(), job.config.train.grad_clip)
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return loss_sum, samples
+    return loss_sum
 
 
 class _Window:
@@ -195,23 +241,37 @@ class _Window:
         return report
 
 
-def train_epoch(job: Job, state: LoopState, window: _Window) -> bool:
-    """One pass over this rank's shard, or up to ``total_steps``; True when the pass completed."""
+def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
+    """Steps from the cursor to the end of the epoch; returns why it stopped.
+
+    ``"epoch"``: the epoch is done; ``"steps"``: ``total_steps`` reached;
+    ``"preempted"``: a rank was signalled (the step that just ran is kept).
+    """
+    if state.global_step >= job.total_steps:
+        return "steps"
     job.model.train()
-    job.sampler.set_epoch(state.epoch)
-    log_every = job.config.train.log_every
-    for group in _groups(job.loader, job.config.train.grad_accum):
-        loss, samples = optimizer_step(job, group)
+    job.sampler.position(state.epoch, state.cursor)
+    batches = iter(job.loader)
+    log_every, roles, seed = job.config.train.log_every, job.roles, job.config.seed
+    for plan in job.plan.steps(state.epoch, state.cursor):
+        micro = [next(batches) for _ in plan.micro]
+        seed_step(seed, state.global_step, job.world.rank)
+        loss = optimizer_step(job, plan, micro)
         state.global_step += 1
-        state.samples_seen += samples * job.world.world_size
-        window.add(loss, samples)
-        job.roles.sink.on_step(samples)
+        state.cursor = plan.end
+        state.samples_seen += plan.size
+        rank_samples = sum(part.real for part in plan.micro)
+        window.add(loss, rank_samples)
+        roles.sink.on_step(rank_samples)
+        roles.trace.record(plan, state.global_step)
         if state.global_step % log_every == 0:
-            job.roles.sink.on_report(window.report(job, state))
-        job.roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
+            roles.sink.on_report(window.report(job, state))
+        if job.preemption.stop_now():
+            return "preempted"
+        roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         if state.global_step >= job.total_steps:
-            return state.global_step % job.steps_per_epoch == 0
-    return True
+            return "epoch" if state.cursor >= job.plan.length else "steps"
+    return "epoch"
 
 
 @torch.no_grad()
@@ -246,46 +306,81 @@ def evaluate(job: Job, state: LoopState) -> EvalReport:
 
 
 def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
+    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
+    from service import __version__
+
     return {
+        "format": FORMAT,
         "model": unwrap(job.model).state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "scheduler": job.scheduler.state_dict(),
+        "scaler": None,  # bf16 autocast needs no gradient scaler
         "loop": dataclasses.asdict(state),
+        "rng": rng_state(),
         "world_size": job.world.world_size,
+        "global_batch": job.plan.global_batch,
         "config": job.config.model_dump(mode="json"),
+        "config_hash": config_hash(job.config),
+        "versions": {"torch": torch.__version__, "service": __version__},
     }
 
 
 def train(job: Job) -> dict[str, Any]:
-    """Run every epoch, evaluate after each, save the last checkpoint and the summary."""
+    """Run from where the job stands to ``total_steps``, evaluating after each epoch; stop early if preempted."""
     started = time.perf_counter()
-    state, window = LoopState(), _Window(job.device)
-    report = None
-    while state.global_step < job.total_steps:
-        if train_epoch(job, state, window):
-            state.epochs_completed += 1
-        report = evaluate(job, state)
-        state.epoch += 1
-    job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
-    seconds = time.perf_counter() - started
-    summary = make_summary(job, state, report, seconds)
+    state, window, report, status = job.state, _Window(job.device), None, "completed"
+    start_samples = state.samples_seen
+    try:
+        while True:
+            outcome = train_epoch(job, state, window)
+            if outcome == "preempted":
+                status = "preempted"
+                break
+            if outcome == "epoch":
+                state.epochs_completed += 1
+            report = evaluate(job, state)
+            if outcome == "epoch":
+                state.epoch, state.cursor = state.epoch + 1, 0
+            if state.global_step >= job.total_steps:
+                break
+        job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
+        if status == "preempted":
+            job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
+    except Exception as exc:
+        seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
+        job.roles.summary.write(make_summary(job, state, report, seconds, trained, "failed",
+                                             error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+        raise
+    seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
+    summary = make_summary(job, state, report, seconds, trained, status)
     job.roles.summary.write(summary)
     return summary
 
 
-def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float) -> dict[str, Any]:
+def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,
+                 status: str, error: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """``samples_per_second`` counts what this start trained, not the samples before the resumed step."""
     return {
+        "status": status,
+        "stopped_at_step": state.global_step if status != "completed" else None,
+        "error": error,
+        "resumed_from": job.resumed.describe() if job.resumed else None,
         "task": job.config.task,
         "model_digest": model_digest(unwrap(job.model).state_dict()),
         "global_step": state.global_step,
+        "total_steps": job.total_steps,
         "samples_seen": state.samples_seen,
         "epochs_completed": state.epochs_completed,
         "world_size": job.world.world_size,
+        "global_batch_size": job.plan.global_batch,
+        "grad_accum": job.plan.micro_steps,
         "restarts": job.world.restart_count,
         "final_loss": report.loss if report else None,
         "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
+        "checkpoint": {"last": str(job.roles.checkpointer.last_path or "") or None,
+                       "failures": job.roles.checkpointer.failures},
         "wall_seconds": round(seconds, 3),
-        "samples_per_second": round(state.samples_seen / seconds, 2) if seconds > 0 else None,
+        "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
         "launcher": job.world.launcher,
         "device": job.device.type,
     }

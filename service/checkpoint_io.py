@@ -1,0 +1,271 @@
+"""Checkpoint files on disk: atomic writes with a manifest, validation, safe loading, pruning.
+
+A checkpoint is two files in ``run_dir/checkpoints``:
+
+- ``step-NNNNNNNN.pt``: the state, written by ``torch.save`` to a temporary
+  name, fsynced, then renamed;
+- ``step-NNNNNNNN.json``: its manifest (step, file name, size, sha256,
+  config hash, versions), written the same way, after the state.
+
+A checkpoint counts only when its manifest parses and the state file has the
+size and sha256 it names. Anything else (a crash before the rename, a
+truncated or flipped file, a missing manifest) is skipped with a warning, and
+the checkpoint before it is used. States load with ``weights_only=True``: a
+file that holds any other pickled object is refused and nothing in it runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d{8})\.(pt|json)$")
+_MAX_MANIFEST_BYTES = 64 * 1024
+REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "loop", "rng", "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or must not be loaded; the message names the file and the fix."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed (disk full, read-only, gone); the previous checkpoint is untouched."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds pickled objects other than tensors and plain containers; it was not executed."""
+
+
+class Manifest(BaseModel):
+    """What makes a state file a checkpoint; its JSON is checked before anything is read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1] = FORMAT
+    step: int = Field(ge=0, lt=10**8)
+    file: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    config_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    torch: str
+    service: str
+    created: float
+
+
+def state_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def manifest_name(step: int) -> str:
+    return f"step-{step:08d}.json"
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through it, in one pass."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.digest.update(view)
+        self.size += len(view)
+        return len(view)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, write: Any) -> Any:
+    """Create ``path``, let ``write(file)`` fill it, fsync it; returns what ``write`` returns."""
+    with open(path, "wb") as file:
+        result = write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    return result
+
+
+def free_space(directory: Path) -> str:
+    """'N MiB free of M MiB' for the file system that holds ``directory`` (or its nearest existing parent)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError:
+        return "free space unknown"
+    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+
+
+def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_hash: str) -> Manifest:
+    """Write ``state`` as the checkpoint of ``step``, replacing one of that step atomically.
+
+    Both files are written under temporary names and fsynced before either is
+    renamed, so a full disk or a crash leaves the previous checkpoints valid
+    and never a newest one that looks complete but is not.
+    """
+    from service import __version__
+
+    final, manifest_path = directory / state_name(step), directory / manifest_name(step)
+    tmp_state = directory / f".{final.name}.{os.getpid()}.tmp"
+    tmp_manifest = directory / f".{manifest_path.name}.{os.getpid()}.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def save(file: BinaryIO) -> _HashingWriter:
+            writer = _HashingWriter(file)
+            torch.save(state, writer)
+            return writer
+
+        writer = _write_synced(tmp_state, save)
+        manifest = Manifest(
+            step=step, file=final.name, size=writer.size, sha256=writer.digest.hexdigest(),
+            config_hash=config_hash, torch=torch.__version__, service=__version__, created=time.time(),
+        )  # fmt: skip
+        _write_synced(tmp_manifest, lambda file: file.write(manifest.model_dump_json(indent=2).encode()))
+        os.replace(tmp_state, final)
+        os.replace(tmp_manifest, manifest_path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        for leftover in (tmp_state, tmp_manifest):
+            leftover.unlink(missing_ok=True)
+        raise CheckpointWriteError(describe_write_error(exc, final)) from exc
+    return manifest
+
+
+def describe_write_error(exc: OSError, path: Path) -> str:
+    reason = exc.strerror or str(exc)
+    code = errno.errorcode.get(exc.errno or 0, "")
+    hint = {
+        "ENOSPC": "free space there or point run_dir at a larger volume",
+        "EDQUOT": "raise the quota or point run_dir at another volume",
+        "EROFS": "run_dir is on a read-only file system; point it at a writable one",
+        "EACCES": "make run_dir writable for this user, or point it elsewhere",
+        "EPERM": "make run_dir writable for this user, or point it elsewhere",
+    }.get(code, "check the storage behind run_dir")
+    return (
+        f"Could not write checkpoint {path}: {reason}{f' ({code})' if code else ''}; "
+        f"{free_space(path.parent)} there. The previous checkpoints are untouched. Fix: {hint}. "
+        "checkpoint.on_error=continue keeps training when a save fails."
+    )
+
+
+def _step_of(path: Path) -> int | None:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def candidate_steps(directory: Path) -> list[int]:
+    """Steps that have a state file or a manifest, newest first."""
+    if not directory.is_dir():
+        return []
+    steps = {step for path in directory.iterdir() if (step := _step_of(path)) is not None}
+    return sorted(steps, reverse=True)
+
+
+def read_manifest(directory: Path, step: int) -> Manifest:
+    """The manifest of ``step``; ``ValueError`` with the reason when it is missing or malformed."""
+    path = directory / manifest_name(step)
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(_MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise ValueError("it has no manifest (a save that did not finish)") from None
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise ValueError(f"its manifest {path.name} is larger than {_MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = Manifest.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        raise ValueError(f"its manifest {path.name} is not valid ({str(exc).splitlines()[0]})") from None
+    if manifest.step != step or manifest.file != state_name(step):
+        raise ValueError(f"its manifest {path.name} names step {manifest.step}, file {manifest.file!r}")
+    return manifest
+
+
+def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
+    """The manifest and state bytes of ``step`` after checking size and sha256; ``ValueError`` if they fail."""
+    manifest = read_manifest(directory, step)
+    try:
+        payload = (directory / manifest.file).read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"its state file {manifest.file} is missing") from None
+    if len(payload) != manifest.size:
+        raise ValueError(f"{manifest.file} has {len(payload)} bytes, its manifest says {manifest.size} (truncated?)")
+    if hashlib.sha256(payload).hexdigest() != manifest.sha256:
+        raise ValueError(f"{manifest.file} does not match the sha256 in its manifest (corrupted)")
+    return manifest, payload
+
+
+def load_state(payload: bytes, source: str) -> dict[str, Any]:
+    """Unpickle a state with ``weights_only=True``; refuse, without running it, anything else."""
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"Refused to load {source}: it holds pickled objects other than tensors and plain containers "
+            f"({str(exc).splitlines()[0][:200]}). Nothing in it was executed. A checkpoint written by this "
+            "service never does that: delete the file (and its manifest) if you did not put it there "
+            "yourself, or start afresh with --set checkpoint.resume=never."
+        ) from None
+    except (RuntimeError, ValueError, EOFError) as exc:
+        raise ValueError(f"{source} is not a readable torch checkpoint ({str(exc).splitlines()[0][:200]})") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT or any(k not in state for k in REQUIRED_KEYS):
+        raise ValueError(f"{source} is not a ddp-service checkpoint of format {FORMAT}")
+    return state
+
+
+def scan(directory: Path) -> Iterator[tuple[Manifest, bytes]]:
+    """Valid checkpoints, newest first; each invalid one is skipped with a warning that names it."""
+    for step in candidate_steps(directory):
+        try:
+            yield read_verified(directory, step)
+        except ValueError as exc:
+            log.warning("skipping checkpoint %s: %s", directory / state_name(step), exc)
+
+
+def prune(directory: Path, keep: int, newest: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``newest`` (just written and complete); drop older ones.
+
+    A manifest goes before its state file, so nothing half-deleted looks valid.
+    Leftover temporary files and state files without a manifest below the
+    kept ones go too.
+    """
+    steps = [step for step in candidate_steps(directory) if step <= newest]
+    kept = [step for step in steps if (directory / manifest_name(step)).exists()][:keep]
+    if newest not in kept or len(kept) < keep:
+        return
+    for step in steps:
+        if step < kept[-1]:
+            (directory / manifest_name(step)).unlink(missing_ok=True)
+            (directory / state_name(step)).unlink(missing_ok=True)
+    for leftover in directory.glob(".step-*.tmp"):
+        if f".{os.getpid()}." not in leftover.name:
+            leftover.unlink(missing_ok=True)
