@@ -93,6 +93,7 @@ class Rank0Checkpointer(Checkpointer):
             self._write(global_step, state())
             return
         self._wait()
+        self._report_background()  # the save before this one may have failed while we waited for it
         started = time.perf_counter()
         staged = self._staging.stage(state())
         ready = torch.cuda.Event() if self._staging.pin else None

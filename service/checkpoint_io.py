@@ -84,13 +84,18 @@ class _HashingWriter(io.RawIOBase):
         self.raw = raw
         self.digest = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch's zip writer turns a failed write into a RuntimeError
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.raw.write(view)
+        try:
+            self.raw.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.digest.update(view)
         self.size += len(view)
         return len(view)
@@ -142,13 +147,18 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
 
         def save(file: BinaryIO) -> _HashingWriter:
             writer = _HashingWriter(file)
-            torch.save(state, writer)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                if writer.error is not None:  # the disk, not the state: report the OSError
+                    raise writer.error from None
+                raise
             return writer
 
         writer = _write_synced(tmp_state, save)
         manifest = Manifest(
             step=step, file=final.name, size=writer.size, sha256=writer.digest.hexdigest(),
-            config_hash=config_hash, torch=torch.__version__, service=__version__, created=time.time(),
+            config_hash=config_hash, torch=str(torch.__version__), service=__version__, created=time.time(),
         )  # fmt: skip
         _write_synced(tmp_manifest, lambda file: file.write(manifest.model_dump_json(indent=2).encode()))
         os.replace(tmp_state, final)
@@ -158,6 +168,10 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
         for leftover in (tmp_state, tmp_manifest):
             leftover.unlink(missing_ok=True)
         raise CheckpointWriteError(describe_write_error(exc, final)) from exc
+    except BaseException:
+        for leftover in (tmp_state, tmp_manifest):
+            leftover.unlink(missing_ok=True)
+        raise
     return manifest
 
 
@@ -203,7 +217,7 @@ def read_manifest(directory: Path, step: int) -> Manifest:
         raise ValueError(f"its manifest {path.name} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
         manifest = Manifest.model_validate(json.loads(raw))
-    except (ValueError, ValidationError) as exc:
+    except (ValueError, ValidationError, RecursionError) as exc:
         raise ValueError(f"its manifest {path.name} is not valid ({str(exc).splitlines()[0]})") from None
     if manifest.step != step or manifest.file != state_name(step):
         raise ValueError(f"its manifest {path.name} names step {manifest.step}, file {manifest.file!r}")
@@ -226,6 +240,8 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
 
 def load_state(payload: bytes, source: str) -> dict[str, Any]:
     """Unpickle a state with ``weights_only=True``; refuse, without running it, anything else."""
+    if not payload.startswith(b"PK\x03\x04"):
+        raise ValueError(f"{source} is not a torch checkpoint (torch.save writes a zip archive)")
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

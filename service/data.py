@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from service.config import DataConfig
 from service.env import WorldInfo
+from service.preemption import ignore_in_data_workers
 from service.sampler import DataPlan, PlanSampler, StepPlan
 
 
@@ -23,6 +24,7 @@ def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) 
         pin_memory=data.pin_memory,
         persistent_workers=data.num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_in_data_workers,
     )
     return loader, sampler
 
@@ -31,7 +33,7 @@ def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: Worl
     """Every eval sample exactly once across ranks: no padding duplicates, so all-reduced means are exact."""
     shard = range(world.rank, len(dataset), world.world_size)  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=data.num_workers,
-                      pin_memory=data.pin_memory)  # fmt: skip
+                      pin_memory=data.pin_memory, worker_init_fn=ignore_in_data_workers)  # fmt: skip
 
 
 class SampleTrace:

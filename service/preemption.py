@@ -32,6 +32,19 @@ EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def ignore_in_data_workers(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: loader processes ignore the preemption signals.
+
+    torchrun signals its workers' whole process group, so the loader processes
+    get SIGTERM too, and torch's own handler there exits at once: the next batch
+    would fail with "DataLoader worker ... is killed by signal: Terminated"
+    before the step boundary where the trainer stops. The trainer process owns
+    its loader processes and stops them itself.
+    """
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Preemption:
     """The flag, its signal handlers, and the agreement at step boundaries.
 

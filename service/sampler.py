@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 
 def permutation(length: int, seed: int, epoch: int) -> list[int]:
     """This epoch's order of the whole training set, the same on every rank and at every world size."""
-    generator = torch.Generator().manual_seed(seed + epoch)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)  # seed 1 epoch 0 != seed 0 epoch 1
     return torch.randperm(length, generator=generator).tolist()
 
 

@@ -321,7 +321,7 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
         "global_batch": job.plan.global_batch,
         "config": job.config.model_dump(mode="json"),
         "config_hash": config_hash(job.config),
-        "versions": {"torch": torch.__version__, "service": __version__},
+        "versions": {"torch": str(torch.__version__), "service": __version__},
     }
 
 

@@ -32,12 +32,13 @@ def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, 
     run_job(run_dir, 2, f"task={task}", f"train.batch_size={batch}", f"train.epochs={epochs}",
             "metrics.tensorboard=true", "checkpoint.every_steps=10", "checkpoint.keep=2")  # fmt: skip
     summary = read_summary(run_dir)
-    steps_per_epoch = math.ceil(math.ceil(train_size / 2) / batch)
+    steps_per_epoch = math.ceil(train_size / (2 * batch))  # the global batch is 2 ranks x 8
     assert summary["world_size"] == 2 and summary["restarts"] == 0
     assert summary["global_step"] == steps_per_epoch * epochs
     assert summary["epochs_completed"] == epochs
-    # DistributedSampler pads the shard to equal length: ceil(n / 2) samples per rank per epoch.
-    assert summary["samples_seen"] == 2 * math.ceil(train_size / 2) * epochs
+    # Every sample exactly once per epoch: no padding duplicates (DistributedSampler would add them).
+    assert summary["samples_seen"] == train_size * epochs
+    assert summary["status"] == "completed" and summary["resumed_from"] is None
     assert summary["eval_metric"]["name"] == metric and summary["eval_metric"]["value"] > floor
     assert summary["final_loss"] > 0 and summary["samples_per_second"] > 0
     assert len(summary["model_digest"]) == 64
@@ -47,6 +48,7 @@ def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, 
     # Rank-0 checkpoints of the unwrapped model, the last `keep` only.
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     assert len(checkpoints) == 2 and checkpoints[-1].name == f"step-{summary['global_step']:08d}.pt"
+    assert all(path.with_suffix(".json").is_file() for path in checkpoints)  # each with its manifest
     state = torch.load(checkpoints[-1], weights_only=True)
     assert not any(key.startswith("module.") for key in state["model"])
     assert state["loop"]["global_step"] == summary["global_step"]

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.checkpoint import Rank0Checkpointer, list_checkpoints
+from service.checkpoint import Rank0Checkpointer
+from service.checkpoint_io import candidate_steps
 from service.config import TrainConfig, load_config
 from service.distributed import attempt_store, select_backend, select_device, store_namespace
 from service.env import EnvError, WorldInfo
@@ -21,7 +22,8 @@ from service.metrics import PrometheusSink, StepReport
 from service.parallel import wants_sync_batchnorm, wrap_model
 from service.summary import JsonSummaryWriter, model_digest
 from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
-from service.train import lr_factor, plan_steps
+from service.sampler import DataPlan
+from service.train import LoopState, batch_geometry, lr_factor, plan_total_steps
 
 
 def test_lr_factor_warmup_then_cosine():
@@ -34,12 +36,14 @@ def test_lr_factor_warmup_then_cosine():
 
 
 @pytest.mark.parametrize(
-    ("batches", "accum", "epochs", "max_steps", "expected"),
-    [(10, 1, 2, None, (10, 20)), (10, 3, 2, None, (4, 8)), (10, 1, 5, 7, (10, 7)), (1, 4, 1, None, (1, 1))],
+    ("length", "batch", "accum", "epochs", "max_steps", "expected"),
+    [(80, 8, 1, 2, None, 20), (80, 8, 3, 2, None, 8), (80, 8, 1, 5, 7, 7), (8, 8, 4, 1, None, 1)],
 )
-def test_plan_steps(batches, accum, epochs, max_steps, expected):
-    train = TrainConfig(grad_accum=accum, epochs=epochs, max_steps=max_steps)
-    assert plan_steps(batches, train) == expected
+def test_plan_total_steps(length, batch, accum, epochs, max_steps, expected):
+    train = TrainConfig(batch_size=batch, grad_accum=accum, epochs=epochs, max_steps=max_steps)
+    global_batch, micro = batch_geometry(train, 1)
+    plan = DataPlan(length, 0, global_batch, 1, 0, micro)
+    assert plan_total_steps(plan, LoopState(), train) == expected
 
 
 def test_model_digest_covers_values_and_order():
@@ -52,7 +56,8 @@ def test_model_digest_covers_values_and_order():
 
 
 def test_checkpointer_saves_on_schedule_and_keeps_the_last(tmp_path):
-    saver = Rank0Checkpointer(tmp_path, every_steps=2, keep=2)
+    saver = Rank0Checkpointer(tmp_path, every_steps=2, keep=2, config_hash="0" * 64, on_error="stop",
+                              async_save=False)  # fmt: skip
     calls = []
 
     def state():
@@ -61,10 +66,11 @@ def test_checkpointer_saves_on_schedule_and_keeps_the_last(tmp_path):
 
     for step in range(1, 8):
         saver.maybe_save(step, state)
-    saver.save(6, state)  # already saved at step 6: not written twice
-    assert [path.name for path in list_checkpoints(tmp_path)] == ["step-00000004.pt", "step-00000006.pt"]
+    saver.save(6, state)  # already saved at step 6 by this process: not written twice
+    assert candidate_steps(tmp_path) == [6, 4]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "step-00000004.json", "step-00000004.pt", "step-00000006.json", "step-00000006.pt"]  # fmt: skip
     assert len(calls) == 3
-    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_summary_writer_is_atomic_json(tmp_path):

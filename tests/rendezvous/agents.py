@@ -8,15 +8,26 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
 from procs import kill_tree
 
-STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\].*\bstep (\d+)\b", re.M)
+_TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+# A training step: the service's "step 5/30 epoch 0 loss ..." or bench/rendezvous.py's "step 5". Not the
+# other lines that name a step ("resuming from ... (step 5", "eval epoch 0 step 8", "preempted: ... step 5").
+STEP_LINE = re.compile(rf"^{_TIME} \[rank (\d+)\] (?:INFO )?step (\d+)\b", re.M)
+# service/resume.py, on every rank that resumes: "resuming from <file> (step N, ...)".
+RESUME_LINE = re.compile(r"\[rank (\d+)\] INFO resuming from (\S+) \(step (\d+),")
+# service/cli.py, on every rank of a preempted world: "preempted: stopped at step N after saving ...".
+PREEMPTED_LINE = re.compile(r"\[rank (\d+)\] WARNING preempted: stopped at step (\d+)\b")
+# service/checkpoint.py, rank 0: "checkpoint saved: <dir>/step-0000000N.pt (...)".
+SAVED_LINE = re.compile(r"\[rank 0\] INFO checkpoint saved: \S*step-(\d{8})\.pt")
 
 
 def train_args(run_dir: Path, max_steps: int, *extra: str) -> list[str]:
@@ -27,6 +38,9 @@ def train_args(run_dir: Path, max_steps: int, *extra: str) -> list[str]:
         "--set", f"train.max_steps={max_steps}",
         "--set", "train.epochs=1000",
         "--set", "train.log_every=1",
+        # One line per record: tqdm's carriage returns would glue the bar to the next log line.
+        "--set", "train.progress_bar=false",
+        "--set", "metrics.tensorboard=false",
         *extra,
     ]
 
@@ -106,6 +120,10 @@ class Agent:
             time.sleep(0.05)
         raise AssertionError(f"No /{pattern}/ from the agent on {self.local_addr}:\n{self.log()[-4000:]}")
 
+    def sigterm(self) -> None:
+        """SIGTERM the agent alone, as a node's shutdown or a scheduler's preemption does."""
+        os.kill(self.proc.pid, signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL the agent and its workers; torchrun starts workers in sessions of their own."""
         kill_tree(self.proc.pid)
@@ -124,6 +142,27 @@ class Agent:
             (datetime.strptime(ts, "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(rank), int(step))
             for ts, rank, step in STEP_LINE.findall(text)
         ]
+
+
+def rank_steps(agents: list[Agent] | tuple[Agent, ...], rank: int = 0) -> list[int]:
+    """The training steps global rank ``rank`` logged, over the logs of ``agents``, in time order."""
+    lines = [(t, step) for agent in agents for t, r, step in agent.step_times() if r == rank]
+    return [step for _, step in sorted(lines)]
+
+
+def steps_trained_twice(agents: list[Agent] | tuple[Agent, ...]) -> dict[int, int]:
+    """Step number -> count for each step that rank 0 logged more than once (a step lost and redone)."""
+    return {step: n for step, n in Counter(rank_steps(agents)).items() if n > 1}
+
+
+def resumed_steps(agent: Agent, rank: int = 0) -> list[int]:
+    """The steps that ``rank`` resumed from in this agent's log, in order."""
+    return [int(step) for r, _, step in RESUME_LINE.findall(agent.log()) if int(r) == rank]
+
+
+def preempted_steps(agent: Agent) -> set[int]:
+    """The steps at which the workers in this agent's log reported a preemption."""
+    return {int(step) for _, step in PREEMPTED_LINE.findall(agent.log())}
 
 
 # torchrun reports the failed worker group (at WARNING/ERROR, so always printed) before it restarts it.

@@ -16,7 +16,16 @@ import pytest
 
 from procs import worker_pids
 
-from .agents import Agent, recovery_seconds, train_args
+from .agents import (
+    SAVED_LINE,
+    Agent,
+    preempted_steps,
+    rank_steps,
+    recovery_seconds,
+    resumed_steps,
+    steps_trained_twice,
+    train_args,
+)
 from .conftest import REPO, EtcdCluster, EtcdMember, free_port
 
 pytestmark = pytest.mark.e2e
@@ -41,6 +50,31 @@ def agents(tmp_path: Path, run_id: str) -> Iterator[AgentFactory]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def fixed_batch(global_batch: int, batch_size: int, train_size: int, every_steps: int = 0) -> list[str]:
+    """Overrides for a global batch kept under resizes (global_batch must divide by world x batch_size
+    for each world size the test runs at), a small training set, and periodic saves (0: none)."""
+    return [
+        "--set", f"train.global_batch_size={global_batch}",
+        "--set", f"train.batch_size={batch_size}",
+        "--set", f"task_options.train_size={train_size}",
+        "--set", f"checkpoint.every_steps={every_steps}",
+    ]
+
+
+def checkpoint_step(run_dir: Path, step: int) -> int:
+    """The step a checkpoint's manifest and state say they hold (both must agree with its name)."""
+    import torch
+
+    manifest = json.loads((run_dir / "checkpoints" / f"step-{step:08d}.json").read_text())
+    state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
+    assert manifest["step"] == state["loop"]["global_step"], (manifest, state["loop"])
+    return manifest["step"]
+
+
+def logs(*agents: Agent) -> str:
+    return "\n".join(f"--- {a.local_addr}:\n{a.log()[-3000:]}" for a in agents)
 
 
 def assert_ok(agent: Agent, timeout: float) -> None:
@@ -79,19 +113,38 @@ def kill_rank0_node(a: Agent, b: Agent) -> tuple[Agent, Agent, float]:
 def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
 ) -> None:
+    """The survivors resume from the newest periodic checkpoint, not from step 0, with the same global batch."""
     run_dir = tmp_path / "run"
-    job = train_args(run_dir, 30)
+    # 32 samples a step: 1 micro-step of 8 on each of 4 ranks, then 2 on each of 2; 8 steps an epoch.
+    job = train_args(run_dir, 30, *fixed_batch(32, 8, 256, every_steps=5))
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job)
-    a.wait_for(r"\[rank [0-3]\].*\bstep 2\b", 120)
-    b.wait_for(r"\[rank [0-3]\].*\bstep 2\b", 30)
-    _, survivor, killed_at = kill_rank0_node(a, b)
+    a.wait_for(r"\[rank [0-3]\] INFO step 2/", 120)
+    b.wait_for(r"\[rank [0-3]\] INFO step 2/", 30)
+    for agent in (a, b):  # rank 0 is on one of them
+        if "[rank 0]" in agent.log():
+            agent.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 60)
+            agent.wait_for(r"\[rank 0\] INFO step 7/", 30)
+    victim, survivor, killed_at = kill_rank0_node(a, b)
     assert_ok(survivor, 120)
     result = summary(run_dir)
     assert result["world_size"] == 2 and result["global_step"] == 30 and result["restarts"] >= 1
+    assert result["status"] == "completed" and result["stopped_at_step"] is None
+    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (32, 2, 30 * 32), result
+    # Resumed from the newest checkpoint saved before the kill (one more may have landed in its last moment).
+    saved = [int(step) for step in SAVED_LINE.findall(victim.log())]
+    trained = rank_steps([victim])
+    resumed = result["resumed_from"]
+    assert resumed is not None and resumed["step"] > 0, result
+    assert resumed["step"] % 5 == 0 and max(saved) <= resumed["step"] <= max(trained), (resumed, saved, trained[-3:])
+    assert resumed["file"].endswith(f"step-{resumed['step']:08d}.pt") and resumed["source"] == "disk"
+    assert resumed_steps(survivor) == [resumed["step"]], logs(survivor)
+    # The world of 2 went on from the step after the checkpoint: steps in between were redone, none skipped.
+    assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 31)), logs(survivor)
     recovery = recovery_seconds(survivor, killed_at)
     assert recovery is not None
-    print(f"recovery after losing the rank-0 node: {recovery:.2f} s")
+    print(f"recovery after losing the rank-0 node: {recovery:.2f} s, resumed at step {resumed['step']} "
+          f"of {max(trained)} trained")
     assert recovery < 12  # about 5 s on an idle machine; bench/rendezvous.py measures it
 
 
@@ -118,20 +171,70 @@ def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
 
 
 def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:
+    """torchrun SIGTERMs the world of 2 when the third node waits; it checkpoints that step and the world
+    of 3 goes on from it: no step is trained twice, and the global batch stays 24."""
     run_dir = tmp_path / "run"
-    job = train_args(run_dir, 80)
+    # 24 samples a step: 3 micro-steps of 4 on each of 2 ranks, then 2 on each of 3; 10 steps an epoch.
+    job = train_args(run_dir, 80, *fixed_batch(24, 4, 240))
     gate = tmp_path / "go"
     c = agents("127.0.0.4", etcd_server.endpoint, "2:3", 1, job, gate=gate)
     c.wait_for("gated agent ready", 60)  # torch imported; torchrun starts when the gate opens
     a = agents("127.0.0.2", etcd_server.endpoint, "2:3", 1, job)
     b = agents("127.0.0.3", etcd_server.endpoint, "2:3", 1, job)
-    a.wait_for(r"\[rank [01]\].*\bstep 1\b", 120)
+    a.wait_for(r"\[rank [01]\] INFO step 1/", 120)
     gate.touch()  # the third node arrives while the world of 2 trains
     for agent in (a, b, c):
         assert_ok(agent, 180)
     result = summary(run_dir)
-    assert result["world_size"] == 3 and result["global_step"] == 80
-    assert "[rank 2]" in c.log() + a.log() + b.log()
+    assert result["world_size"] == 3 and result["global_step"] == 80 and result["status"] == "completed"
+    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (24, 2, 80 * 24), result
+    everyone = (a, b, c)
+    # The world of 2 stopped at one step, saved it, and the world of 3 resumed from exactly that step.
+    stopped = preempted_steps(a) | preempted_steps(b)
+    assert len(stopped) == 1, logs(*everyone)
+    (step,) = stopped
+    assert 0 < step < 80
+    resumed = result["resumed_from"]
+    assert resumed is not None and resumed["step"] == step, (result, stopped)
+    assert checkpoint_step(run_dir, step) == step
+    assert sorted(sum((resumed_steps(x) for x in everyone), [])) == [step], logs(*everyone)
+    # Rank 2 exists only in the world of 3: its first step is the one after the checkpoint.
+    assert rank_steps(everyone, rank=2)[0] == step + 1, logs(*everyone)
+    assert steps_trained_twice(everyone) == {}, logs(*everyone)
+    assert sorted(rank_steps(everyone)) == list(range(1, 81))
+    print(f"the world of 2 stopped at step {step}; the world of 3 went on from it")
+
+
+def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
+) -> None:
+    """Scale-up 1 -> 2 mid-run: the lone node checkpoints the step it is at, the world of 2 resumes there."""
+    run_dir = tmp_path / "run"
+    max_steps = 45  # ends mid-epoch (30 steps an epoch), every step a full 8 samples
+    # 8 samples a step: 2 micro-steps of 4 on one rank, then 1 on each of 2.
+    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240))
+    gate = tmp_path / "go"
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate)
+    b.wait_for("gated agent ready", 60)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
+    a.wait_for(r"\[rank 0\] INFO step 5/", 120)
+    gate.touch()  # the second node arrives while the world of 1 trains
+    for agent in (a, b):
+        assert_ok(agent, 120)
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["world_size"] == 2, result
+    assert result["global_step"] == max_steps and result["samples_seen"] == max_steps * 8, result
+    assert (result["global_batch_size"], result["grad_accum"]) == (8, 1), result
+    (step,) = preempted_steps(a)  # the world of 1 stopped there, after its checkpoint
+    assert 5 <= step < max_steps
+    assert result["resumed_from"] is not None and result["resumed_from"]["step"] == step, (result, step)
+    assert checkpoint_step(run_dir, step) == step
+    assert sorted(resumed_steps(a) + resumed_steps(b)) == [step], logs(a, b)
+    # Rank 1 exists only in the world of 2: its first step is the one after the checkpoint. 0 steps lost.
+    assert rank_steps((a, b), rank=1)[0] == step + 1, logs(a, b)
+    assert steps_trained_twice((a, b)) == {}, logs(a, b)
+    assert sorted(rank_steps((a, b))) == list(range(1, max_steps + 1))
+    print(f"the world of 1 stopped at step {step}; the world of 2 went on from it")
 
 
 def test_d_losing_an_etcd_member_mid_run_is_survived(
@@ -152,6 +255,55 @@ def test_d_losing_an_etcd_member_mid_run_is_survived(
     assert_ok(survivor, 120)
     result = summary(run_dir)
     assert result["world_size"] == 1 and result["restarts"] >= 1
+
+
+@pytest.mark.parametrize("signalled", ["rank0_node", "other_node"])
+def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, signalled: str
+) -> None:
+    """A node's shutdown (SIGTERM to its torchrun agent) costs no step.
+
+    The agent forwards SIGTERM to its worker; at the next step every rank agrees to stop, rank 0 saves
+    that step, and all workers exit 75. The signalled agent exits non-zero; the other restarts its
+    worker, re-rendezvous alone and resumes from that very checkpoint at world size 1.
+    """
+    run_dir = tmp_path / "run"
+    max_steps = 40  # ends mid-epoch (30 steps an epoch)
+    # 8 samples a step: 1 micro-step of 4 on each of 2 ranks, then 2 on the one left.
+    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240))
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    for agent in (a, b):
+        agent.wait_for(r"\[rank [01]\] INFO step 3/", 120)
+    rank0_node, other_node = (a, b) if "[rank 0]" in a.log() else (b, a)
+    victim, survivor = (rank0_node, other_node) if signalled == "rank0_node" else (other_node, rank0_node)
+    victim.sigterm()
+    rc = victim.wait(60)  # well within torchrun's --shutdown-timeout (30 s) plus a step and a save
+    assert rc != 0, f"the signalled agent exited {rc}:\n{victim.log()[-3000:]}"
+    assert "SIGTERM received" in victim.log(), victim.log()[-3000:]
+    assert_ok(survivor, 120)
+
+    # Every rank of the world of 2 stopped at the same step, and rank 0 saved exactly that step.
+    stopped = preempted_steps(victim) | preempted_steps(survivor)
+    assert len(stopped) == 1 and len(preempted_steps(victim)) == 1, logs(victim, survivor)
+    (step,) = stopped
+    assert 3 <= step < max_steps
+    assert checkpoint_step(run_dir, step) == step
+    assert [int(s) for s in SAVED_LINE.findall(rank0_node.log())][:1] == [step], logs(rank0_node)
+
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["stopped_at_step"] is None, result
+    assert result["world_size"] == 1 and result["global_step"] == max_steps, result
+    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (8, 2, max_steps * 8)
+    resumed = result["resumed_from"]
+    assert resumed is not None and resumed["step"] == step, (result, step)
+    assert resumed["file"].endswith(f"step-{step:08d}.pt")
+    assert resumed_steps(survivor) == [step] and resumed_steps(victim) == [], logs(victim, survivor)
+    # 0 steps lost: the world of 1 trained exactly the steps after the checkpoint.
+    assert rank_steps([survivor])[-(max_steps - step):] == list(range(step + 1, max_steps + 1))
+    assert steps_trained_twice((a, b)) == {}, logs(a, b)
+    assert sorted(rank_steps((a, b))) == list(range(1, max_steps + 1))
+    print(f"{signalled} signalled: stopped at step {step}; the survivor resumed there and finished alone")
 
 
 def test_e_etcd_down_at_start_fails_fast_naming_the_endpoint(agents: AgentFactory) -> None:

@@ -1,0 +1,207 @@
+"""Exact resume under real torchrun on CPU: a killed worker, a resized world, a preempted agent, a lone signal.
+
+Each run uses the slow shapes task (a sleep in the forward, no change to any
+number), so a signal lands mid-epoch at a step the test can see coming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
+from procs import worker_pids
+from service.sampler import permutation
+
+pytestmark = pytest.mark.e2e
+
+SLOW = ("task=slow_tasks:slow_shapes", "task_options.image_size=16", "train.log_every=1")
+
+
+class LineWatcher:
+    """Collects a child's output lines with their arrival times, in a thread."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def wait_for(self, pattern: str, timeout: float, after: float = 0.0) -> float:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for stamp, line in list(self.lines):
+                if stamp >= after and regex.search(line):
+                    return stamp
+            time.sleep(0.02)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{self.text()[-4000:]}")
+
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+
+def start(run_dir: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ("--standalone",)):
+    cmd = torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, launcher=launcher)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return proc, LineWatcher(proc)
+
+
+def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise AssertionError(f"torchrun ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
+
+
+def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str) -> dict:
+    """Start a job, SIGTERM its torchrun agent once a rank logs ``step``, and return the summary it leaves."""
+    proc, watcher = start(run_dir, nproc, *overrides)
+    try:
+        watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, watcher) != 0  # torchrun re-raises the signal it was stopped by
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted", watcher.text()[-3000:]
+    assert f"preempted: stopped at step {summary['stopped_at_step']}" in watcher.text()
+    return summary
+
+
+def manifest_steps(run_dir: Path) -> list[int]:
+    return sorted(json.loads(path.read_text())["step"] for path in (run_dir / "checkpoints").glob("step-*.json"))
+
+
+def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
+    """SIGKILL of one worker after a checkpoint, under --max-restarts: the final weights match an uninterrupted run.
+
+    Also the old regression: restarted workers must not read the previous
+    attempt's gloo addresses from the agent's store ("connectFullMesh").
+    """
+    job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04")
+    run_job(tmp_path / "straight", 2, *job)
+    straight = read_summary(tmp_path / "straight")
+
+    run_dir = tmp_path / "killed"
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000012\.pt", timeout=120)
+        victims = worker_pids(proc.pid)
+        assert set(victims) == {0, 1}, victims
+        killed_at = time.monotonic()
+        os.kill(victims[1], signal.SIGKILL)
+        restarted = watcher.wait_for(r"process group up: attempt 1", timeout=60, after=killed_at)
+        watcher.wait_for(r"resuming from .*step-000000(12|18)\.pt", timeout=60, after=restarted)
+        first_step = watcher.wait_for(r"\[rank \d\] INFO step (13|19)/", timeout=60, after=restarted)
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["restarts"] == 1 and summary["status"] == "completed"
+    assert summary["resumed_from"]["step"] in (12, 18)
+    assert (summary["global_step"], summary["samples_seen"]) == (straight["global_step"], straight["samples_seen"])
+    assert summary["model_digest"] == straight["model_digest"]
+    assert "connectFullMesh" not in watcher.text()
+    print(f"recovery: {first_step - killed_at:.1f} s from SIGKILL to the resumed group's first step")
+    assert first_step - killed_at < 30
+
+
+def read_trace(run_dir: Path) -> list[dict]:
+    lines = []
+    for path in sorted((run_dir / "trace").glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp_path):
+    """2 processes, SIGTERM mid-epoch; resume with 1, SIGTERM mid-epoch; resume with 3 and finish."""
+    length, global_batch, epochs = 120, 12, 2
+    job = (*SLOW, f"task_options.train_size={length}", "train.batch_size=2", f"train.global_batch_size={global_batch}",
+           f"train.epochs={epochs}", "checkpoint.every_steps=4", "data.trace=true", "task_options.sleep=0.02")  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = preempt_agent_at(run_dir, 2, 2, *job)
+    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, "data.num_workers=2")
+    steps_per_epoch = length // global_batch
+    assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < steps_per_epoch  # two resizes in epoch 0
+    assert second["resumed_from"]["step"] == first["stopped_at_step"]
+    assert (first["grad_accum"], second["grad_accum"]) == (3, 6)
+    assert manifest_steps(run_dir)[-1] == second["stopped_at_step"]
+
+    run_job(run_dir, 3, *job)
+    final = read_summary(run_dir)
+    assert final["status"] == "completed" and final["world_size"] == 3 and final["grad_accum"] == 2
+    assert final["resumed_from"]["step"] == second["stopped_at_step"]
+    assert final["global_batch_size"] == first["global_batch_size"] == global_batch
+
+    run_job(tmp_path / "straight", 2, *job)
+    straight = read_summary(tmp_path / "straight")
+    assert (final["global_step"], final["samples_seen"]) == (straight["global_step"], straight["samples_seen"])
+    assert final["global_step"] == epochs * steps_per_epoch and final["samples_seen"] == epochs * length
+
+    trace = read_trace(run_dir)
+    assert {(line["world_size"], line["rank"]) for line in trace} == {(2, 0), (2, 1), (1, 0), (3, 0), (3, 1), (3, 2)}
+    for epoch in range(epochs):
+        seen = [index for line in trace if line["epoch"] == epoch for index in line["indices"]]
+        assert sorted(seen) == list(range(length)), f"epoch {epoch}: a sample is missing or repeated"
+        # Steps take the permutation in order, whatever world ran them.
+        by_step: dict[int, list[int]] = {}
+        for line in trace:
+            if line["epoch"] == epoch:
+                by_step.setdefault(line["start"], []).extend(line["indices"])
+        order = permutation(length, 0, epoch)
+        for start, indices in by_step.items():
+            assert sorted(indices) == sorted(order[start : start + global_batch])
+    assert sum(1 for line in trace if line["rank"] == 0) == final["global_step"]  # no step ran twice
+
+
+def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tmp_path):
+    job = (*SLOW, "train.max_steps=30", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
+           "data.num_workers=2")  # fmt: skip
+    run_job(tmp_path / "straight", 2, *job)
+    straight = read_summary(tmp_path / "straight")
+
+    run_dir = tmp_path / "run"
+    preempted = preempt_agent_at(run_dir, 2, 8, *job)
+    stopped = preempted["stopped_at_step"]
+    assert 8 <= stopped < 30 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
+    run_job(run_dir, 2, *job)
+    resumed = read_summary(run_dir)
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped
+    assert resumed["model_digest"] == straight["model_digest"]
+    assert resumed["samples_seen"] == straight["samples_seen"]
+
+
+def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGUSR1 to rank 1 only: one all-reduce tells rank 0, which saves; both exit 75 (preempted)."""
+    run_dir = tmp_path / "run"
+    proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=200", "train.epochs=100", "task_options.sleep=0.02",
+                          launcher=("--standalone", "--max-restarts=0"))  # fmt: skip
+    try:
+        watcher.wait_for(r"\[rank 1\] INFO step 3/", timeout=120)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)
+        assert finish(proc, watcher) != 0
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted"
+    stopped = summary["stopped_at_step"]
+    text = watcher.text()
+    assert "[rank 1] WARNING SIGUSR1 received" in text and "[rank 0] WARNING SIGUSR1" not in text
+    for rank in (0, 1):
+        assert f"[rank {rank}] WARNING preempted: stopped at step {stopped} " in text
+    assert "exitcode: 75" in text or "exitcode  : 75" in text, text[-3000:]
+    assert manifest_steps(run_dir)[-1] == stopped
