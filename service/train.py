@@ -348,8 +348,9 @@ def train(job: Job) -> dict[str, Any]:
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
     except Exception as exc:
         seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
-        job.roles.summary.write(make_summary(job, state, report, seconds, trained, "failed",
-                                             error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+        failed = make_summary(job, state, report, seconds, trained, "failed", error=f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
+            job.roles.summary.write(failed)
         raise
     seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
     summary = make_summary(job, state, report, seconds, trained, status)

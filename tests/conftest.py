@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,44 @@ def final_weights(run_dir: Path) -> dict:
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     assert checkpoints, f"no checkpoint under {run_dir}"
     return torch.load(checkpoints[-1], weights_only=True)["model"]
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A factory that mounts a 1 MiB tmpfs (optionally with few inodes); everything is unmounted after."""
+    if os.geteuid() != 0:
+        message = "mounting a small tmpfs for the disk-full tests needs root"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    mounted: list[Path] = []
+
+    def mount(inodes: int | None = None, size: str = "1m") -> Path:
+        target = tmp_path / f"fs{len(mounted)}"
+        target.mkdir()
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            message = f"cannot mount a tmpfs at {target}: {done.stderr.strip()}"
+            if IN_CI:
+                pytest.fail(message)
+            pytest.skip(message)
+        mounted.append(target)
+        return target
+
+    try:
+        yield mount
+    finally:
+        for target in reversed(mounted):
+            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def fill(root: Path, leave: int) -> None:
+    """A ballast file that leaves about ``leave`` bytes free."""
+    with open(root / "ballast", "wb") as file:
+        file.write(b"\0" * max(0, shutil.disk_usage(root).free - leave))
+        file.flush()
+        os.fsync(file.fileno())
+    assert shutil.disk_usage(root).free <= leave + 8192

@@ -89,10 +89,13 @@ def manifest_steps(run_dir: Path) -> list[int]:
 def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
     """SIGKILL of one worker after a checkpoint, under --max-restarts: the final weights match an uninterrupted run.
 
+    Periodic saves are asynchronous and the model has dropout, so this also
+    proves the background writes load back and the step's randomness replays.
     Also the old regression: restarted workers must not read the previous
     attempt's gloo addresses from the agent's store ("connectFullMesh").
     """
-    job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04")
+    job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
+           "task_options.dropout=0.2", "checkpoint.async=true")  # fmt: skip
     run_job(tmp_path / "straight", 2, *job)
     straight = read_summary(tmp_path / "straight")
 
@@ -205,3 +208,92 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
         assert f"[rank {rank}] WARNING preempted: stopped at step {stopped} " in text
     assert "exitcode: 75" in text or "exitcode  : 75" in text, text[-3000:]
     assert manifest_steps(run_dir)[-1] == stopped
+
+
+# One-process jobs on the damaged, hostile or mismatched run_dirs a resume meets.
+ONE = (*SLOW, "task_options.sleep=0", "train.epochs=10", "checkpoint.every_steps=4")
+
+
+def test_e_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run_dir = tmp_path / "run"
+    run_job(run_dir, 1, *ONE, "train.max_steps=8")
+    newest = run_dir / "checkpoints" / "step-00000008.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12")
+    assert "skipping checkpoint" in proc.stdout and "step-00000008.pt" in proc.stdout
+    summary = read_summary(run_dir)
+    assert summary["resumed_from"]["step"] == 4 and summary["global_step"] == 12
+    assert manifest_steps(run_dir)[-1] == 12
+
+
+def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_path):
+    import hashlib
+
+    import torch
+
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    run_job(run_dir, 1, *ONE, "train.max_steps=4")
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = run_dir / "checkpoints" / "step-00000009.pt"
+    torch.save({"format": 1, "model": Payload()}, path)
+    manifest = json.loads((run_dir / "checkpoints" / "step-00000004.json").read_text())
+    data = path.read_bytes()
+    manifest.update(step=9, file=path.name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    path.with_suffix(".json").write_text(json.dumps(manifest))
+
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", expect_ok=False)
+    assert proc.returncode != 0
+    assert "UnsafeCheckpointError" in proc.stdout and "step-00000009.pt" in proc.stdout
+    assert "Nothing in it was executed" in proc.stdout
+    assert not marker.exists()
+
+
+def test_resume_refuses_a_changed_training_config_and_obeys_resume_modes(tmp_path):
+    run_dir = tmp_path / "run"
+    run_job(run_dir, 1, *ONE, "train.max_steps=4")
+    refused = run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.lr=0.1", expect_ok=False)
+    assert refused.returncode != 0 and "train.lr (0.05 -> 0.1)" in refused.stdout
+    assert "checkpoint.resume=never" in refused.stdout
+
+    # Fields that may change: log cadence, metrics, max_steps upward.
+    run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.log_every=2", "metrics.tensorboard=true")
+    assert read_summary(run_dir)["resumed_from"]["step"] == 4
+
+    # never: the earlier checkpoints move aside (nothing is deleted) and training starts at step 0.
+    run_job(run_dir, 1, *ONE, "train.max_steps=4", "train.lr=0.1", "checkpoint.resume=never")
+    fresh = read_summary(run_dir)
+    assert fresh["resumed_from"] is None and fresh["global_step"] == 4
+    archived = list(run_dir.glob("checkpoints.before-*"))
+    assert len(archived) == 1 and (archived[0] / "step-00000008.json").is_file()
+
+    empty = run_job(tmp_path / "empty", 1, *ONE, "checkpoint.resume=require", expect_ok=False)
+    assert empty.returncode != 0 and "checkpoint.resume=require" in empty.stdout
+
+
+def test_f_full_disk_stops_naming_path_and_free_space_and_the_previous_checkpoint_resumes(tmp_path, small_fs):
+    from conftest import fill
+
+    root = small_fs(size="4m")
+    run_dir = root / "run"
+    job = (*ONE, "task_options.sleep=0.05", "train.max_steps=40", "checkpoint.on_error=stop")
+    proc, watcher = start(run_dir, 1, *job)
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000004\.pt", timeout=120)
+        fill(root, 16 * 1024)  # the next checkpoint (~100 KiB) cannot fit
+        assert finish(proc, watcher) != 0
+    finally:
+        kill_group(proc)
+    text = watcher.text()
+    assert "CheckpointWriteError: Could not write checkpoint " + str(run_dir / "checkpoints") in text
+    assert "No space left on device (ENOSPC)" in text and "MiB free of 4.0 MiB" in text
+    valid = manifest_steps(run_dir)
+    assert valid and not list((run_dir / "checkpoints").glob(".*.tmp"))  # no half-written file left behind
+
+    (root / "ballast").unlink()
+    run_job(run_dir, 1, *job)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == valid[-1]

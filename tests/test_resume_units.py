@@ -48,7 +48,7 @@ from service.resume import config_hash, incompatible_fields
 from service.sampler import DataPlan, PlanSampler, permutation
 from service.train import LoopState, batch_geometry, plan_total_steps
 
-from conftest import IN_CI, REPO, child_env
+from conftest import REPO, child_env, fill
 
 HASH = config_hash(JobConfig())
 IO_LOG = "service.checkpoint_io"
@@ -440,47 +440,6 @@ def test_load_state_refuses_foreign_files(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # 4. A full disk: the save fails cleanly, the previous checkpoint stays
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A factory that mounts a 1 MiB tmpfs (optionally with few inodes); everything is unmounted after."""
-    if os.geteuid() != 0:
-        message = "mounting a small tmpfs for the disk-full tests needs root"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    mounted: list[Path] = []
-
-    def mount(inodes: int | None = None) -> Path:
-        target = tmp_path / f"fs{len(mounted)}"
-        target.mkdir()
-        options = "size=1m" + (f",nr_inodes={inodes}" if inodes else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                              capture_output=True, text=True)  # fmt: skip
-        if done.returncode != 0:
-            message = f"cannot mount a tmpfs at {target}: {done.stderr.strip()}"
-            if IN_CI:
-                pytest.fail(message)
-            pytest.skip(message)
-        mounted.append(target)
-        return target
-
-    try:
-        yield mount
-    finally:
-        for target in reversed(mounted):
-            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
-def fill(root: Path, leave: int) -> None:
-    """A ballast file that leaves about ``leave`` bytes free."""
-    with open(root / "ballast", "wb") as file:
-        file.write(b"\0" * max(0, shutil.disk_usage(root).free - leave))
-        file.flush()
-        os.fsync(file.fileno())
-    assert shutil.disk_usage(root).free <= leave + 8192
 
 
 def full_disk(small_fs, kind: str) -> tuple[Path, callable]:
