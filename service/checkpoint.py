@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from service.checkpoint_io import CheckpointWriteError, candidate_steps, prune, write_checkpoint
+from service.checkpoint_io import CheckpointWriteError, candidate_steps, prune, state_name, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,16 @@ class StagingBuffer:
 
 class Rank0Checkpointer(Checkpointer):
     def __init__(self, directory: Path, every_steps: int, keep: int, config_hash: str, on_error: str,
-                 async_save: bool, start_fresh: bool = False, pin: bool = False) -> None:  # fmt: skip
+                 async_save: bool, start_fresh: bool = False, pin: bool = False,
+                 saved_step: int | None = None) -> None:  # fmt: skip
         self.directory = directory
         self.every_steps = every_steps
         self.keep = keep
         self.config_hash = config_hash
         self.on_error = on_error
-        self.saved_step: int | None = None
+        self.saved_step = saved_step  # the step resumed from is on disk, valid, and needs no rewrite
         self.failures = 0
-        self.last_path = None
+        self.last_path = directory / state_name(saved_step) if saved_step is not None else None
         self._staging = StagingBuffer(pin) if async_save else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_save else None
         self._inflight: Future | None = None

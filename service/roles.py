@@ -34,7 +34,7 @@ class Roles:
 
 
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
-                device_is_cuda: bool = False) -> Roles:  # fmt: skip
+                device_is_cuda: bool = False, resumed_step: int | None = None) -> Roles:  # fmt: skip
     """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
     run_dir = Path(config.run_dir)
     is_rank0 = world.rank == 0
@@ -49,7 +49,8 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     ckpt = config.checkpoint
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
-                          ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda)
+                          ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda,
+                          saved_step=resumed_step)
         if is_rank0
         else Checkpointer()
     )  # fmt: skip

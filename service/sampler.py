@@ -20,10 +20,14 @@ import torch
 from torch.utils.data import Sampler
 
 
-def permutation(length: int, seed: int, epoch: int) -> list[int]:
+def epoch_order(length: int, seed: int, epoch: int) -> torch.Tensor:
     """This epoch's order of the whole training set, the same on every rank and at every world size."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)  # seed 1 epoch 0 != seed 0 epoch 1
-    return torch.randperm(length, generator=generator).tolist()
+    return torch.randperm(length, generator=generator)
+
+
+def permutation(length: int, seed: int, epoch: int) -> list[int]:
+    return epoch_order(length, seed, epoch).tolist()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +99,8 @@ class DataPlan:
         """Optimizer steps left in an epoch whose cursor stands at ``cursor``."""
         return math.ceil(max(0, self.length - cursor) / self.global_batch)
 
-    def step(self, order: list[int], epoch: int, start: int) -> StepPlan:
-        chunk = order[start : start + self.global_batch]
+    def step(self, order: torch.Tensor, epoch: int, start: int) -> StepPlan:
+        chunk = order[start : start + self.global_batch].tolist()
         size = len(chunk)
         share = chunk[self.rank :: self.world_size]
         micro = []
@@ -111,7 +115,7 @@ class DataPlan:
         """This rank's steps from ``cursor`` to the end of ``epoch``."""
         if not 0 <= cursor <= self.length:
             raise ValueError(f"cursor {cursor} is outside an epoch of {self.length} samples")
-        order = permutation(self.length, self.seed, epoch)
+        order = epoch_order(self.length, self.seed, epoch)  # a tensor: 8 bytes a sample, not a Python list
         for start in range(cursor, self.length, self.global_batch):
             yield self.step(order, epoch, start)
 

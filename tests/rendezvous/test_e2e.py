@@ -63,6 +63,16 @@ def fixed_batch(global_batch: int, batch_size: int, train_size: int, every_steps
     ]
 
 
+# tests/tasks/slow_tasks.py: the shapes task sleeping ``sleep`` seconds per training micro-step. A world of one
+# rank trains the plain task at ~70 steps/s here, too fast to add a node before it finishes.
+SLOW_TASK_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests" / "tasks"),
+                                                             os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
+
+
+def slow_task(sleep: float) -> list[str]:
+    return ["--set", "task=slow_tasks:slow_shapes", "--set", f"task_options.sleep={sleep}"]
+
+
 def checkpoint_step(run_dir: Path, step: int) -> int:
     """The step a checkpoint's manifest and state say they hold (both must agree with its name)."""
     import torch
@@ -175,7 +185,7 @@ def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents
     of 3 goes on from it: no step is trained twice, and the global batch stays 24."""
     run_dir = tmp_path / "run"
     # 24 samples a step: 3 micro-steps of 4 on each of 2 ranks, then 2 on each of 3; 10 steps an epoch.
-    job = train_args(run_dir, 80, *fixed_batch(24, 4, 240))
+    job = train_args(run_dir, 60, *fixed_batch(24, 4, 240))
     gate = tmp_path / "go"
     c = agents("127.0.0.4", etcd_server.endpoint, "2:3", 1, job, gate=gate)
     c.wait_for("gated agent ready", 60)  # torch imported; torchrun starts when the gate opens
@@ -186,14 +196,14 @@ def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents
     for agent in (a, b, c):
         assert_ok(agent, 180)
     result = summary(run_dir)
-    assert result["world_size"] == 3 and result["global_step"] == 80 and result["status"] == "completed"
-    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (24, 2, 80 * 24), result
+    assert result["world_size"] == 3 and result["global_step"] == 60 and result["status"] == "completed"
+    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (24, 2, 60 * 24), result
     everyone = (a, b, c)
     # The world of 2 stopped at one step, saved it, and the world of 3 resumed from exactly that step.
     stopped = preempted_steps(a) | preempted_steps(b)
     assert len(stopped) == 1, logs(*everyone)
     (step,) = stopped
-    assert 0 < step < 80
+    assert 0 < step < 60
     resumed = result["resumed_from"]
     assert resumed is not None and resumed["step"] == step, (result, stopped)
     assert checkpoint_step(run_dir, step) == step
@@ -201,7 +211,7 @@ def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents
     # Rank 2 exists only in the world of 3: its first step is the one after the checkpoint.
     assert rank_steps(everyone, rank=2)[0] == step + 1, logs(*everyone)
     assert steps_trained_twice(everyone) == {}, logs(*everyone)
-    assert sorted(rank_steps(everyone)) == list(range(1, 81))
+    assert sorted(rank_steps(everyone)) == list(range(1, 61))
     print(f"the world of 2 stopped at step {step}; the world of 3 went on from it")
 
 
@@ -211,12 +221,12 @@ def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
     """Scale-up 1 -> 2 mid-run: the lone node checkpoints the step it is at, the world of 2 resumes there."""
     run_dir = tmp_path / "run"
     max_steps = 45  # ends mid-epoch (30 steps an epoch), every step a full 8 samples
-    # 8 samples a step: 2 micro-steps of 4 on one rank, then 1 on each of 2.
-    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240))
+    # 8 samples a step: 2 micro-steps of 4 on one rank (0.1 s of sleep), then 1 on each of 2.
+    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240), *slow_task(0.05))
     gate = tmp_path / "go"
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate, env=SLOW_TASK_ENV)
     b.wait_for("gated agent ready", 60)
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, env=SLOW_TASK_ENV)
     a.wait_for(r"\[rank 0\] INFO step 5/", 120)
     gate.touch()  # the second node arrives while the world of 1 trains
     for agent in (a, b):
