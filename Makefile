@@ -41,6 +41,7 @@ bench: install-test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/overhead.py
 	$(PY) bench/rendezvous.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

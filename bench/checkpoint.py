@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from service.checkpoint import Rank0Checkpointer, StagingBuffer  # noqa: E402
-from service.checkpoint_io import FORMAT, load_state, scan, state_name  # noqa: E402
+from service.checkpoint_io import FORMAT, load_state, scan  # noqa: E402
 from service.resume import _broadcast_bytes, rng_state  # noqa: E402
 
 CONFIG_HASH = "0" * 64
@@ -135,7 +135,7 @@ def async_round(trainer: Trainer, ckpt: Rank0Checkpointer) -> dict[str, Any]:
 
 
 def staging_breakdown(trainer: Trainer, repeats: int = 3) -> dict[str, float]:
-    """Where an async save's stall goes: building the state dict, the copy into warm buffers, raw memcpy."""
+    """What bounds each figure: state dict, staging copy, memcpy; serialization (crc32), sha256 of a sync save."""
 
     def best(fn: Any) -> float:
         times = []
@@ -280,7 +280,8 @@ def main() -> None:
 
     trainer = Trainer(args.layers)
     print(f"model: {args.layers} x Linear({WIDTH},{WIDTH}), {trainer.param_bytes / MB:.0f} MB of fp32 parameters, "
-          f"batch {BATCH}, {torch.get_num_threads()} torch threads", flush=True)  # fmt: skip
+          f"batch {BATCH}, {torch.get_num_threads()} torch threads; load average {os.getloadavg()[0]:.2f}",
+          flush=True)  # fmt: skip
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
@@ -360,6 +361,8 @@ def main() -> None:
     print(f"  disk: scan + verify, cache warm      {ms(disk_warm):>8} ms")
     print(f"  gloo broadcast from rank 0           {ms(bcast):>8} ms")
     print(f"broadcast/disk ratio: {bcast / disk_cold:.2f} (evicted), {bcast / disk_warm:.2f} (warm)")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other processes on this machine skew every figure)")
+
 
 if __name__ == "__main__":
     main()
