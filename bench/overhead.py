@@ -79,12 +79,13 @@ def service(epochs: int, batch: int) -> list[float]:
     overrides = [
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
         "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=1000000",
-        "metrics.tensorboard=false", "metrics.port=0", "checkpoint.every_steps=0",
+        "metrics.tensorboard=false", "metrics.port=0", "checkpoint.every_steps=0", "checkpoint.resume=never",
     ]  # fmt: skip
-    config = load_config(None, overrides)
     world = detect_world(os.environ)
-    with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx:
-        return _time_service_epochs(build_job(config, world, ctx), epochs)
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(None, [*overrides, f"run_dir={run_dir}"])
+        with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx:
+            return _time_service_epochs(build_job(config, world, ctx), epochs)
 
 
 def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a service.train.Job
@@ -95,11 +96,11 @@ def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a s
 
     state, window, times = LoopState(), _Window(job.device), []
     for epoch in range(epochs):
-        state.epoch = epoch
+        state.epoch, state.cursor = epoch, 0
         dist.barrier()
         start = time.perf_counter()
         train_epoch(job, state, window)
-        times.append((time.perf_counter() - start) / job.steps_per_epoch)
+        times.append((time.perf_counter() - start) / job.plan.steps_in_epoch(0))
     job.roles.close()
     return times
 

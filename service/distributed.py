@@ -7,7 +7,7 @@ import dataclasses
 import gc
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -26,8 +26,8 @@ class DistContext:
     """What the rest of the job needs to know about communication: backend, device, control group.
 
     ``control`` carries the small host-side collectives (the preemption flag,
-    the resume agreement, checkpoint bytes): the default group under gloo, a
-    gloo group beside NCCL, so they never touch the GPU stream.
+    the resume agreement, checkpoint bytes): a gloo group of its own, so they
+    never touch the GPU stream nor queue behind DDP's gradient all-reduces.
     """
 
     backend: str
@@ -113,19 +113,19 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
         world_size=world.world_size,
         timeout=timeout,
     )
-    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    control = dist.new_group(backend="gloo")
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
     return DistContext(backend=backend, device=device, control=control)
 
 
-def any_rank(group: Any) -> Any:
-    """A collective that tells every rank whether any rank passed True (one CPU all-reduce)."""
+def any_rank(group: Any) -> Callable[[bool, int], tuple[bool, int]]:
+    """The preemption check's collective: (any rank's flag set, the smallest rank's proposal), one all-reduce."""
 
-    def agree(local: bool) -> bool:
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+    def agree(local: bool, proposal: int) -> tuple[bool, int]:
+        values = torch.tensor([1 if local else 0, -proposal], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        return bool(values[0].item()), int(-values[1].item())
 
     return agree
 

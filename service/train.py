@@ -175,9 +175,12 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return ((seed * 1_000_003 + step) * 7_919 + rank) % 2**32
 
 
-def seed_step(seed: int, step: int, rank: int) -> None:
+def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """Seed torch (this device's generator too), ``random`` and numpy; about 5 µs, so every step can."""
     value = step_seed(seed, step, rank)
-    torch.manual_seed(value)
+    torch.default_generator.manual_seed(value)  # torch.manual_seed visits every backend: 60 µs
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)
     random.seed(value)
     np.random.seed(value)
 
@@ -198,7 +201,9 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, T
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with job.autocast():
-                loss = job.task.loss_fn(model(inputs), targets) * part.weight
+                loss = job.task.loss_fn(model(inputs), targets)
+                if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
+                    loss = loss * part.weight
             backward(loss)
         loss_sum += loss.detach()
     if job.config.train.grad_clip is not None:
@@ -256,7 +261,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
     log_every, roles, seed = job.config.train.log_every, job.roles, job.config.seed
     for plan in job.plan.steps(state.epoch, state.cursor):
         micro = [next(batches) for _ in plan.micro]
-        seed_step(seed, state.global_step, job.world.rank)
+        seed_step(seed, state.global_step, job.world.rank, job.device)
         loss = optimizer_step(job, plan, micro)
         state.global_step += 1
         state.cursor = plan.end

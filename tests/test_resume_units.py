@@ -718,3 +718,38 @@ def test_archive_existing_moves_checkpoints_aside(two_checkpoints, caplog):
     assert not two_checkpoints.exists() or not list(two_checkpoints.iterdir())
     second_saver.save(1, lambda: make_state(11.0))
     assert newest(two_checkpoints)[1]["model"]["w"].tolist() == [11.0] * 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Preemption: a real signal sets the flag; the agreement read one boundary later stops every rank together
+# --------------------------------------------------------------------------------------------------
+
+
+def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
+    import signal
+
+    from service.preemption import Preemption
+
+    now = [0.0]
+    calls: list[tuple[bool, int]] = []
+
+    def agree(local: bool, proposal: int) -> tuple[bool, int]:
+        calls.append((local, proposal))
+        return local, min(proposal, 7)  # another rank proposes 7 steps
+
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = Preemption(agree, interval=0.1, clock=lambda: now[0])
+    try:
+        now[0] += 0.01  # a 10 ms step
+        assert watch.stop_now() is False and calls == [(False, 10)]  # 10 steps cover 0.1 s; the ranks agree on 7
+        for _ in range(6):
+            now[0] += 0.01
+            assert watch.stop_now() is False
+        assert len(calls) == 1  # no collective between checks
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, handled between bytecodes
+        assert watch.requested and watch.received == "SIGUSR1"
+        now[0] += 0.5  # a slow step: 7 steps took 0.56 s since the last check, 80 ms each, so 2 steps now
+        assert watch.stop_now() is True and calls[-1] == (True, 2)
+    finally:
+        watch.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
