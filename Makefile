@@ -26,8 +26,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults.
+## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults, from step 0 each time
+## (the same torchrun command run again would resume, and find the demo already finished).
 demo: install
+	rm -rf runs/demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m service train --set run_dir=runs/demo
 	@echo "--- runs/demo/summary.json"
 	@cat runs/demo/summary.json
