@@ -12,8 +12,10 @@ decides whether training stops (the default) or goes on.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from service.checkpoint_io import CheckpointWriteError, candidate_steps, prune, state_name, write_checkpoint
+from service.checkpoint_io import nearest_existing, CheckpointWriteError, candidate_steps, prune, state_name, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,10 @@ class Checkpointer:
 
     failures = 0
     last_path: Path | None = None
+    lineage: str | None = None
+
+    def preflight(self, model: torch.nn.Module) -> None:
+        """Before training: is there room for a checkpoint of this model?"""
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         """Called at every optimizer step; also reports a background save that failed."""
@@ -69,7 +75,7 @@ class StagingBuffer:
 class Rank0Checkpointer(Checkpointer):
     def __init__(self, directory: Path, every_steps: int, keep: int, config_hash: str, on_error: str,
                  async_save: bool, start_fresh: bool = False, pin: bool = False,
-                 saved_step: int | None = None) -> None:  # fmt: skip
+                 saved_step: int | None = None, lineage: str | None = None) -> None:  # fmt: skip
         self.directory = directory
         self.every_steps = every_steps
         self.keep = keep
@@ -83,8 +89,22 @@ class Rank0Checkpointer(Checkpointer):
         self._inflight: Future | None = None
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
+        # A resume carries the lineage on; a fresh start (or one from a checkpoint older than lineages) makes one.
+        self.lineage = lineage or uuid.uuid4().hex
+        self._lineages = {self.lineage, *([None] if saved_step is not None and lineage is None else [])}
         if start_fresh:
             archive_existing(directory)
+
+    def preflight(self, model: torch.nn.Module) -> None:
+        """Refuse to start when the next checkpoint cannot fit: the model, and up to two optimizer slots per weight."""
+        need = 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        free = shutil.disk_usage(nearest_existing(self.directory)).free
+        if free < need:
+            raise CheckpointWriteError(
+                f"run_dir's checkpoint directory {self.directory} has {free / 2**20:.1f} MiB free, but a checkpoint "
+                f"of this model and its optimizer takes up to {need / 2**20:.1f} MiB. Free space there or point "
+                "run_dir at a larger volume; nothing was trained."
+            )
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         self._report_background()
@@ -127,7 +147,7 @@ class Rank0Checkpointer(Checkpointer):
     def _write(self, global_step: int, state: dict[str, Any], background: bool = False) -> None:
         started = time.perf_counter()
         try:
-            manifest = write_checkpoint(self.directory, global_step, state, self.config_hash)
+            manifest = write_checkpoint(self.directory, global_step, state, self.config_hash, self.lineage)
         except CheckpointWriteError as exc:
             with self._lock:
                 self.failures += 1
@@ -140,7 +160,7 @@ class Rank0Checkpointer(Checkpointer):
             self.last_path = self.directory / manifest.file
         log.info("checkpoint saved: %s (%.1f MiB in %.2f s%s)", self.last_path, manifest.size / 2**20,
                  time.perf_counter() - started, ", background" if background else "")  # fmt: skip
-        prune(self.directory, self.keep, global_step)
+        prune(self.directory, self.keep, global_step, self._lineages)
 
     def _wait(self) -> None:
         if self._inflight is not None:

@@ -26,7 +26,7 @@ import pickle
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -67,6 +67,7 @@ class Manifest(BaseModel):
     torch: str
     service: str
     created: float
+    lineage: str | None = None  # the run that wrote it; prune touches only its own run's checkpoints
 
 
 def state_name(step: int) -> str:
@@ -118,11 +119,16 @@ def _write_synced(path: Path, write: Any) -> Any:
     return result
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists: where the free space of a directory yet to be made is read."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def free_space(directory: Path) -> str:
     """'N MiB free of M MiB' for the file system that holds ``directory`` (or its nearest existing parent)."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(directory)
     try:
         usage = shutil.disk_usage(probe)
     except OSError:
@@ -130,7 +136,8 @@ def free_space(directory: Path) -> str:
     return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
 
 
-def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_hash: str) -> Manifest:
+def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_hash: str,
+                     lineage: str | None = None) -> Manifest:  # fmt: skip
     """Write ``state`` as the checkpoint of ``step``, replacing one of that step atomically.
 
     Both files are written under temporary names and fsynced before either is
@@ -159,6 +166,7 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
         manifest = Manifest(
             step=step, file=final.name, size=writer.size, sha256=writer.digest.hexdigest(),
             config_hash=config_hash, torch=str(torch.__version__), service=__version__, created=time.time(),
+            lineage=lineage,
         )  # fmt: skip
         _write_synced(tmp_manifest, lambda file: file.write(manifest.model_dump_json(indent=2).encode()))
         os.replace(tmp_state, final)
@@ -267,14 +275,25 @@ def scan(directory: Path) -> Iterator[tuple[Manifest, bytes]]:
             log.warning("skipping checkpoint %s: %s", directory / state_name(step), exc)
 
 
-def prune(directory: Path, keep: int, newest: int) -> None:
+def prune(directory: Path, keep: int, newest: int, lineages: Collection[str | None] | None = None) -> None:
     """Keep the ``keep`` newest checkpoints up to ``newest`` (just written and complete); drop older ones.
 
     A manifest goes before its state file, so nothing half-deleted looks valid.
     Leftover temporary files and state files without a manifest below the
-    kept ones go too.
+    kept ones go too. With ``lineages``, checkpoints whose manifest names
+    another lineage (another run wrote them into this directory) are neither
+    counted nor deleted.
     """
-    steps = [step for step in candidate_steps(directory) if step <= newest]
+
+    def ours(step: int) -> bool:
+        if lineages is None or not (directory / manifest_name(step)).exists():
+            return True  # no manifest: a save that never finished, nobody's checkpoint
+        try:
+            return read_manifest(directory, step).lineage in lineages
+        except ValueError:
+            return False  # a manifest that does not parse is left for a human to look at
+
+    steps = [step for step in candidate_steps(directory) if step <= newest and ours(step)]
     kept = [step for step in steps if (directory / manifest_name(step)).exists()][:keep]
     if newest not in kept or len(kept) < keep:
         return

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.env import EnvError, WorldInfo, detect_world
+from service.preflight import check_against_world
+from service.rendezvous import admin as rdzv_admin
 
 if TYPE_CHECKING:  # torch stays unimported for validate and env
     from service.distributed import DistContext
@@ -31,12 +33,15 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override one key, e.g. --set train.lr=0.1 (repeatable)")  # fmt: skip
     commands.add_parser("env", help="print the launcher environment this process detected, as JSON")
+    rdzv_admin.add_parser(commands)  # rdzv list|show|retire: service/rendezvous/admin.py
     return parser
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = os.environ if env is None else env
+    if args.command == "rdzv":
+        return rdzv_admin.run(args)
     try:
         if args.command == "env":
             print(detect_world(env).to_json())
@@ -46,6 +51,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             print(config_as_yaml(config), end="")
             return 0
         world = detect_world(env)
+        check_against_world(config, world)
     except (ConfigError, EnvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -67,10 +73,24 @@ def train_command(config: JobConfig, world: WorldInfo) -> int:
 
 
 def _train(config: JobConfig, world: WorldInfo) -> int:
-    from service.distributed import distributed
-    from service.preemption import EXIT_COMPLETED, EXIT_PREEMPTED
+    from service.consistency import ConfigMismatchError
 
-    with distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
+    try:
+        return _train_in_group(config, world)
+    except ConfigMismatchError as exc:  # every rank sees it at start: no traceback, a code wrappers read
+        log.error("%s", exc)
+        return exc.exit_code
+
+
+def _train_in_group(config: JobConfig, world: WorldInfo) -> int:
+    from service.distributed import distributed
+    from service.orphans import guard_against_orphaning
+    from service.preemption import EXIT_COMPLETED, EXIT_PREEMPTED
+    from service.runlock import build_run_dir_guard
+
+    guard_against_orphaning(world)  # before anything that could outlive a dead agent
+    with build_run_dir_guard(config, world).held(), \
+            distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:  # fmt: skip
         summary = _run_job(config, world, dist_ctx)
     if summary["status"] == "preempted":
         log.warning("preempted: stopped at step %d after saving its checkpoint; run the same command to resume",

@@ -6,6 +6,7 @@ Unknown keys are errors, and all errors are reported together, each with its pat
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -40,6 +41,33 @@ def _switch(value: Any) -> Any:
 OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
 Amp = Annotated[Literal["auto", "off", "bf16"], BeforeValidator(lambda v: "off" if v is False else v)]
 
+SEED_MAX = 2**32 - 1  # numpy's limit; torch's generators also take (seed * 1_000_003 + epoch) < 2**64
+TIMEOUT_MAX = 7 * 24 * 3600  # datetime.timedelta and the C++ stores overflow far above; a week is already absurd
+
+
+def _finite(value: Any) -> Any:
+    """YAML reads ``.inf`` and ``.nan`` as floats; no rate, momentum or norm may be one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(
+            "must be a finite number (YAML reads .inf and .nan as infinity and not-a-number); "
+            "write a plain number such as 0.05"
+        )
+    return value
+
+
+Finite = Annotated[float, BeforeValidator(_finite)]
+
+
+def _within(low: int, high: int, fix: str) -> BeforeValidator:
+    """Refuse a number outside ``low..high`` before pydantic's int parsing (``1.0e+23`` would overflow it)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}; {fix}")
+        return value
+
+    return BeforeValidator(check)
+
 
 class TrainConfig(_Section):
     epochs: int = Field(2, ge=1, description="Passes over the training set.")
@@ -49,19 +77,22 @@ class TrainConfig(_Section):
         None, ge=1, description="Samples per optimizer step over the whole world, kept under resizes; null: "
         "batch_size x world_size x grad_accum."
     )
-    lr: float = Field(0.05, gt=0)
+    lr: Finite = Field(0.05, gt=0)
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step (derived when global_batch_size is set).")
     amp: Amp = "auto"
     sync_batchnorm: OnOffAuto = "auto"
     strategy: Literal["ddp", "dp"] = "ddp"
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
+    momentum: Finite = Field(0.9, ge=0, lt=1)
+    weight_decay: Finite = Field(0.0, ge=0)
+    grad_clip: Finite | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
     progress_bar: bool = True
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose gradient norm is inf/nan: stop (fail, naming the step) or skip its update."
+    )
 
     @model_validator(mode="after")
     def _one_way_to_accumulate(self) -> TrainConfig:
@@ -113,14 +144,16 @@ class DDPConfig(_Section):
 
 class DistConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_seconds: int = Field(300, ge=1)
+    timeout_seconds: Annotated[int, _within(1, TIMEOUT_MAX, "at most 7 days; the default is 300 seconds")] = Field(
+        300, description="Process-group timeout, 1 to 604800 (7 days)."
+    )
 
 
 class JobConfig(_Section):
     task: str = "shapes-segmentation"
     task_options: dict[str, Any] = Field(default_factory=dict)
     run_dir: str = "runs/demo"
-    seed: int = Field(0, ge=0)
+    seed: Annotated[int, _within(0, SEED_MAX, "pick a seed below 2**32, e.g. 0")] = Field(0, description="0 to 2**32 - 1.")
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -180,7 +213,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Load a YAML mapping, with errors that name the file."""
     file = Path(path)
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        reason = (f"it is not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start} cannot be "
+                  "decoded; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")  # fmt: skip
+        raise ConfigError([reason], f"The config file {file}") from None
     except OSError as exc:
         raise ConfigError([f"cannot read {file}: {exc.strerror or exc}"], f"The config file {file}") from exc
     try:
@@ -204,7 +241,7 @@ def build_config(data: Mapping[str, Any], source: str = "The job config") -> Job
 
 def _format_error(error: Mapping[str, Any]) -> str:
     path = ".".join(str(part) for part in error["loc"]) or "(top level)"
-    message = error["msg"]
+    message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown key; check the spelling against the README's config reference"
     elif "input" in error and not isinstance(error["input"], (dict, list)):

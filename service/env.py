@@ -16,9 +16,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
+from service.hostlist import HostlistError, count_hosts, expand_hostlist, first_host  # noqa: F401 (re-export)
+
 
 class EnvError(ValueError):
     """A launcher variable is missing or wrong; the message says which and how to fix it."""
+
+
+def _hosts(nodelist: str) -> tuple[str, int]:
+    """(first host, host count) of ``SLURM_JOB_NODELIST``, as an :class:`EnvError` when it does not parse."""
+    try:
+        return first_host(nodelist), count_hosts(nodelist)
+    except HostlistError as exc:
+        raise EnvError(f"SLURM_JOB_NODELIST: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,59 +120,6 @@ def _master_port(env: Mapping[str, str], default: int | None) -> int | None:
     return port
 
 
-def expand_hostlist(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist such as ``gpu-[01-04,07],cpu1`` into host names, in order.
-
-    Zero padding is kept (``[01-04]`` gives ``01``..``04``); brackets may appear
-    more than once in one name (``r[1-2]n[1-2]``).
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist.strip()):
-        hosts.extend(_expand_one(item))
-    if not hosts:
-        raise EnvError(f"The Slurm node list {nodelist!r} names no host.")
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    items, depth, current = [], 0, []
-    for char in text:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise EnvError(f"The Slurm node list {text!r} has a ']' without a '['.")
-        if char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise EnvError(f"The Slurm node list {text!r} has an unclosed '['.")
-    items.append("".join(current))
-    return [item for item in items if item]
-
-
-_BRACKET = re.compile(r"\[([^\]]*)\]")
-
-
-def _expand_one(item: str) -> list[str]:
-    match = _BRACKET.search(item)
-    if match is None:
-        return [item]
-    prefix, suffix = item[: match.start()], item[match.end() :]
-    names = []
-    for part in match.group(1).split(","):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise EnvError(f"The Slurm node list entry {item!r} has a bad range {part!r}.")
-        width = len(lo)
-        for number in range(int(lo), int(hi if sep else lo) + 1):
-            names.extend(_expand_one(f"{prefix}{number:0{width}d}{suffix}"))
-    return names
-
-
 # --------------------------------------------------------------------------- launchers
 
 
@@ -229,16 +186,23 @@ class SlurmLauncher(Launcher):
 
     def read(self, env: Mapping[str, str]) -> WorldInfo:
         world_size = _int(env, "SLURM_NTASKS")
-        nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
+        master_host, num_nodes = _hosts(env["SLURM_JOB_NODELIST"])
+        if world_size > 1 and not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+            raise EnvError(
+                f"SLURM_NTASKS={world_size} is set but SLURM_STEP_ID is not: this is the batch script of Slurm "
+                f"job {env.get('SLURM_JOB_ID', '?')}, not a task of an srun step, so only this one process of "
+                f"the {world_size} would run and rank 0 would wait out dist.timeout_seconds for the others. "
+                "Launch the workers with srun (srun python -m service train ...), or run torchrun under srun."
+            )
         job_id = _int(env, "SLURM_JOB_ID", default=0)
         info = WorldInfo(
             launcher=self.name,
             rank=_int(env, "SLURM_PROCID"),
             local_rank=_int(env, "SLURM_LOCALID", default=0),
             world_size=world_size,
-            local_world_size=_tasks_on_this_node(env, world_size, len(nodes)),
+            local_world_size=_tasks_on_this_node(env, world_size, num_nodes),
             node_rank=_int(env, "SLURM_NODEID", default=0),
-            master_addr=env.get("MASTER_ADDR") or nodes[0],
+            master_addr=env.get("MASTER_ADDR") or master_host,
             # A port derived from the job id lets two jobs share a node without a clash.
             master_port=_master_port(env, 15000 + job_id % 20000),
             restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
@@ -335,6 +299,14 @@ class NoLauncher(Launcher):
         return True
 
     def read(self, env: Mapping[str, str]) -> WorldInfo:
+        for present, missing in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+            if env.get(present, "").strip():
+                raise EnvError(
+                    f"The environment variable {present}={env[present]!r} is set but {missing} is not, so this "
+                    f"process cannot know its world. Set {missing} too (torch's env:// convention needs RANK, "
+                    f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT), unset {present} to run as a world of 1, or "
+                    "launch with torchrun."
+                )
         return WorldInfo(launcher=self.name, master_addr="127.0.0.1")
 
 

@@ -34,7 +34,8 @@ class Roles:
 
 
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
-                device_is_cuda: bool = False, resumed_step: int | None = None) -> Roles:  # fmt: skip
+                device_is_cuda: bool = False, resumed_step: int | None = None,
+                lineage: str | None = None) -> Roles:  # fmt: skip
     """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
     run_dir = Path(config.run_dir)
     is_rank0 = world.rank == 0
@@ -50,7 +51,7 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
                           ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda,
-                          saved_step=resumed_step)
+                          saved_step=resumed_step, lineage=lineage)
         if is_rank0
         else Checkpointer()
     )  # fmt: skip

@@ -24,11 +24,13 @@ from torch.utils.data import DataLoader
 
 from service.checkpoint_io import FORMAT
 from service.config import JobConfig, TrainConfig
+from service.consistency import check_same_config
 from service.data import eval_loader, train_loader
 from service.distributed import DistContext, any_rank
 from service.env import WorldInfo
 from service.errors import backward
 from service.metrics import EvalReport, StepReport
+from service.nonfinite import NonfiniteGuard
 from service.parallel import unwrap, wrap_model
 from service.preemption import Preemption
 from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, restore, rng_state
@@ -71,6 +73,7 @@ class Job:
     eval_loader: DataLoader
     roles: Roles
     preemption: Preemption
+    nonfinite: NonfiniteGuard
     barrier: Callable[[], None]
     state: LoopState
     resumed: Resumed | None
@@ -127,6 +130,7 @@ def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> in
 
 def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job:
     global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
+    check_same_config(config, world.world_size, dist_ctx.control)
     preemption = Preemption(any_rank(dist_ctx.control))
     torch.manual_seed(config.seed)
     task = load_task(config.task, config.seed, config.task_options)
@@ -147,7 +151,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
     if resumed is not None:
         restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
-    return Job(
+    job = Job(
         config=config,
         world=world,
         device=dist_ctx.device,
@@ -160,14 +164,17 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
         loader=loader,
         eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world),
         roles=build_roles(config, world, total_steps, config_hash(config), dist_ctx.is_cuda,
-                          resumed.step if resumed else None),
+                          resumed.step if resumed else None, resumed.state.get("lineage") if resumed else None),
         preemption=preemption,
+        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
         state=state,
         resumed=resumed,
         total_steps=total_steps,
         autocast=autocast_factory(train.amp, dist_ctx.device),
     )
+    job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    return job
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -185,7 +192,7 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     np.random.seed(value)
 
 
-def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, Tensor]], step: int) -> Tensor:
     """Forward/backward each micro-batch (gradient sync only on the last), then one optimizer step.
 
     Each micro-batch's mean loss is scaled by its plan weight, so the gradient
@@ -206,9 +213,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, T
                     loss = loss * part.weight
             backward(loss)
         loss_sum += loss.detach()
-    if job.config.train.grad_clip is not None:
-        nn.utils.clip_grad_norm_(model.parameters(), job.config.train.grad_clip)
-    job.optimizer.step()
+    job.nonfinite.step(list(model.parameters()), job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return loss_sum
@@ -262,8 +267,9 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
     for plan in job.plan.steps(state.epoch, state.cursor):
         micro = [next(batches) for _ in plan.micro]
         seed_step(seed, state.global_step, job.world.rank, job.device)
-        loss = optimizer_step(job, plan, micro)
+        loss = optimizer_step(job, plan, micro, state.global_step + 1)
         state.global_step += 1
+        job.nonfinite.check(state.global_step)
         state.cursor = plan.end
         state.samples_seen += plan.size
         rank_samples = sum(part.real for part in plan.micro)
@@ -315,6 +321,7 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
     """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
     from service import __version__
 
+    job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
     return {
         "format": FORMAT,
         "model": unwrap(job.model).state_dict(),
@@ -327,6 +334,7 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
         "global_batch": job.plan.global_batch,
         "config": job.config.model_dump(mode="json"),
         "config_hash": config_hash(job.config),
+        "lineage": job.roles.checkpointer.lineage,
         "versions": {"torch": str(torch.__version__), "service": __version__},
     }
 
@@ -382,6 +390,7 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
         "global_batch_size": job.plan.global_batch,
         "grad_accum": job.plan.micro_steps,
         "restarts": job.world.restart_count,
+        "nonfinite_steps": job.nonfinite.skipped,
         "final_loss": report.loss if report else None,
         "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
         "checkpoint": {"last": str(job.roles.checkpointer.last_path or "") or None,

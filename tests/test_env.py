@@ -19,7 +19,7 @@ TORCHRUN = {
 }  # fmt: skip
 SRUN = {
     "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
-    "SLURM_JOB_NODELIST": "gpu-[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu-[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
 }  # fmt: skip
 PYTORCHJOB = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
               "PET_NPROC_PER_NODE": "1", "PET_NNODES": "2"}  # fmt: skip

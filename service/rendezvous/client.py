@@ -69,6 +69,20 @@ class LeaseNotFoundError(EtcdError):
     """A write named a lease that etcd no longer has."""
 
 
+class EtcdAuthError(EtcdError):
+    """etcd refused a login, or the user lacks permission for the request."""
+
+
+class EtcdNotEtcdError(EtcdError):
+    """The endpoint answers gRPC but does not know etcd's API: it is some other server."""
+
+
+# etcd answers these to a request without a valid login (with auth on) or without the
+# role's permission; anything else is not about the user or its password.
+_AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_AUTH_DETAILS = ("user name is empty", "invalid auth token", "authentication failed", "permission denied")
+
+
 def is_failed_node_error(exc: BaseException) -> bool:
     """pyetcd's way of saying an endpoint is in its failed-retry period."""
     return isinstance(exc, ValueError) and "failed node" in str(exc)
@@ -162,7 +176,15 @@ class EtcdClient:
             return EtcdUncertainError(f"the etcd auth token was refused ({details})")
         if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
             return LeaseNotFoundError(details)
-        return EtcdError(f"etcd at {self.endpoints} refused the request: {code.name}: {details}.")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return EtcdNotEtcdError(
+                f"The server at {self.endpoints} is not an etcd v3 server: it answers gRPC but does not "
+                f"know etcd's API ({code.name}: {details})."
+            )
+        message = f"etcd at {self.endpoints} refused the request: {code.name}: {details}."
+        if code in _AUTH_CODES or any(d in details.lower() for d in _AUTH_DETAILS):
+            return EtcdAuthError(message)
+        return EtcdError(message)
 
     def _authenticate(self) -> None:
         request = pyetcd.etcdrpc.AuthenticateRequest(name=self.options.user, password=self.options.password)
@@ -172,7 +194,9 @@ class EtcdClient:
             code, details = _code_and_details(exc)
             if code in _TRANSIENT_CODES:
                 raise
-            raise EtcdError(
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise self._classify(exc) from exc
+            raise EtcdAuthError(
                 f"etcd at {self.endpoints} refused the login of user '{self.options.user}': {details}."
             ) from exc
         # Metadata works on plain and TLS channels; call credentials only on TLS.

@@ -16,6 +16,7 @@ import threading
 from .client import EtcdClient, EtcdError
 
 log = logging.getLogger(__name__)
+_PUBLISH_ATTEMPTS = 10
 
 
 class RunLease:
@@ -61,28 +62,72 @@ class RunLease:
             self._thread.join(timeout=self._client.options.read_timeout + 1)
 
     def _join_or_create(self) -> int:
-        existing = self._read_published()
-        if existing is not None and self._is_alive(existing):
-            return existing
-        granted = self._client.call(lambda c: c.lease(self._ttl).id, "granting the run lease")
+        """Join the published lease if it lives; else publish a fresh one, atomically.
+
+        The lease key may hold garbage (``notanint``) or the id of a lease etcd no
+        longer has (someone wrote it by hand). Either counts as no lease: it is
+        replaced by a compare-and-set on the key's revision, with a warning, so a
+        stray write never blocks the run id.
+        """
+        granted: int | None = None
+        try:
+            for _ in range(_PUBLISH_ATTEMPTS):
+                value, revision = self._read_published()
+                existing = None if value is None else self._usable(value)
+                if existing is not None:
+                    if existing == granted:  # our publish landed though its reply was lost
+                        granted = None
+                    return existing
+                if granted is None:
+                    granted = self._client.call(lambda c: c.lease(self._ttl).id, "granting the run lease")
+                if self._publish(granted, revision):
+                    lease_id, granted = granted, None
+                    return lease_id
+                # Another agent published (or replaced) the key first: look again.
+            raise EtcdError(
+                f"The run lease under etcd key '{self._key.decode(errors='replace')}' changed "
+                f"{_PUBLISH_ATTEMPTS} times while this agent tried to join it; another writer keeps "
+                "rewriting it. Find that writer, or delete the key."
+            )
+        finally:
+            if granted is not None:
+                self._revoke(granted)
+
+    def _usable(self, value: bytes) -> int | None:
+        """The published lease id if it names a live lease; ``None`` (with a warning) if not."""
+        key = self._key.decode(errors="replace")
+        text = value.decode("ascii", errors="replace").strip()
+        lease_id = int(text) if text.isdigit() else 0
+        if not 0 < lease_id < 2**63:
+            log.warning(
+                "The etcd key '%s' holds %r, which is not a lease id; replacing it with a new lease.",
+                key, text[:64],
+            )
+            return None
+        if not self._is_alive(lease_id):
+            log.warning(
+                "The etcd key '%s' names lease %d, which etcd does not have (expired, revoked, or "
+                "written by hand); replacing it with a new lease.",
+                key, lease_id,
+            )
+            return None
+        return lease_id
+
+    def _publish(self, granted: int, revision: int) -> bool:
+        """Write ``granted`` under the lease key if the key is still at ``revision`` (0: absent)."""
         tx = self._client.raw.transactions
-        won, responses = self._client.call(
+        compare = tx.create(self._key) == 0 if revision == 0 else tx.mod(self._key) == revision
+        won, _ = self._client.call(
             lambda c: c.transaction(
-                compare=[tx.create(self._key) == 0],
-                success=[tx.put(self._key, str(granted), lease=granted)],
-                failure=[tx.get(self._key)],
+                compare=[compare], success=[tx.put(self._key, str(granted), lease=granted)], failure=[]
             ),
             "publishing the run lease",
         )
-        if won:
-            return granted
-        # Another agent published first: use its lease and drop ours.
-        self._revoke(granted)
-        return int(responses[0][0][0])
+        return bool(won)
 
-    def _read_published(self) -> int | None:
-        value, _ = self._client.call(lambda c: c.get(self._key), "reading the run lease")
-        return None if value is None else int(value)
+    def _read_published(self) -> tuple[bytes | None, int]:
+        value, meta = self._client.call(lambda c: c.get(self._key), "reading the run lease")
+        return (None, 0) if value is None else (value, meta.mod_revision)
 
     def _is_alive(self, lease_id: int) -> bool:
         info = self._client.call(lambda c: c.get_lease_info(lease_id), "checking the run lease")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,14 +215,28 @@ def _number(config: Mapping[str, Any], name: str, default: float) -> float:
     return number
 
 
+# (lowest, highest, unit) of each number. etcd keeps leases of 2 s to 9e9 s; the
+# timeouts end in torch's datetime arithmetic, which overflows past year 9999, and a
+# value beyond a day or a year there is a typo rather than a plan.
+_DAY = 86_400
+ETCD_MAX_LEASE_TTL = 9_000_000_000
+BOUNDS: dict[str, tuple[float, float, str]] = {
+    "ttl": (2, ETCD_MAX_LEASE_TTL, "seconds"),
+    "read_timeout": (0.1, 3_600, "seconds"),
+    "grace_period": (0, _DAY, "seconds"),
+    "failed_node_retry": (0, 3_600, "seconds"),
+    "join_timeout": (0.1, 365 * _DAY, "seconds"),
+    "last_call_timeout": (0.01, _DAY, "seconds"),
+    "close_timeout": (0.1, _DAY, "seconds"),
+    "heartbeat_timeout": (0.1, _DAY, "seconds"),
+    "keep_alive_interval": (0.1, 3_600, "seconds"),
+    "keep_alive_max_attempt": (3, 1_000, "attempts"),
+}
+_WHOLE_NUMBERS = ("ttl", "keep_alive_max_attempt")
+
+
 def _check_ranges(numbers: Mapping[str, float]) -> None:
-    for name, value in numbers.items():
-        if name in ("grace_period", "failed_node_retry"):
-            if value < 0:
-                raise ValueError(f"The rendezvous option '{name}' must not be negative, not {value:g}.")
-        elif value <= 0:
-            raise ValueError(f"The rendezvous option '{name}' must be positive, not {value:g}.")
-    for name in ("ttl", "keep_alive_max_attempt"):
+    for name in _WHOLE_NUMBERS:
         if numbers[name] != int(numbers[name]):
             raise ValueError(f"The rendezvous option '{name}' must be a whole number, not {numbers[name]:g}.")
     if numbers["keep_alive_max_attempt"] < 3:
@@ -233,10 +247,24 @@ def _check_ranges(numbers: Mapping[str, float]) -> None:
         raise ValueError(
             "The rendezvous option 'keep_alive_max_attempt' must be at least 3, because torch "
             "sends a heartbeat only every second interval at worst and live nodes would be "
-            "declared dead."
+            f"declared dead; it is {_show(numbers['keep_alive_max_attempt'])}."
         )
     if numbers["ttl"] < 2:
-        raise ValueError("The rendezvous option 'ttl' must be at least 2 seconds, the shortest lease etcd keeps.")
+        raise ValueError(
+            f"The rendezvous option 'ttl' must be at least 2 seconds, the shortest lease etcd keeps; "
+            f"it is {_show(numbers['ttl'])}."
+        )
+    for name, value in numbers.items():
+        low, high, unit = BOUNDS[name]
+        if not low <= value <= high:
+            raise ValueError(
+                f"The rendezvous option '{name}' is {_show(value)}, outside its allowed range of "
+                f"{_show(low)} to {_show(high)} {unit}; give a value in that range."
+            )
+
+
+def _show(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:g}"
 
 
 def _text(config: Mapping[str, Any], name: str) -> str | None:
@@ -309,3 +337,24 @@ def _secret(config: Mapping[str, Any], path: str | None, environ: Mapping[str, s
     if len(secret) < 16:
         raise ValueError("The signing secret must be at least 16 characters long.")
     return secret.encode("utf-8")
+
+
+SECRET_ENV_OPTIONS = ("password_env", "secret_env")
+
+
+def scrub_secret_env(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Remove the variables named by ``password_env`` and ``secret_env`` from ``environ``.
+
+    torchrun's agent hands its own environment to every worker it starts, so a
+    password or signing secret left there would reach the training script and
+    every process that script starts. The plugin calls this in the agent once
+    the options are read. Returns the names removed.
+    """
+    environ = os.environ if environ is None else environ
+    removed = []
+    for option in SECRET_ENV_OPTIONS:
+        value = config.get(option)
+        name = str(value).strip() if value is not None else ""
+        if name and environ.pop(name, None) is not None:
+            removed.append(name)
+    return removed

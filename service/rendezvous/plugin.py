@@ -31,5 +31,11 @@ def create_rendezvous_handler(params: Any) -> Any:
     # setting by the user wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from .factory import build_handler
+    from .options import scrub_secret_env
 
-    return build_handler(params)
+    try:
+        return build_handler(params)
+    finally:
+        # The agent hands its environment to every worker: once the options are read,
+        # the variables named by password_env and secret_env leave it, success or not.
+        scrub_secret_env(params.config)

@@ -5,6 +5,10 @@ blocking ``get``/``multi_get``), for MASTER_ADDR/MASTER_PORT, and for the exit
 barrier (``add`` plus ``wait`` under ``set_timeout``). A timeout must raise
 ``torch.distributed.DistStoreError``: the barrier catches exactly that type.
 All keys carry the run's shared lease, so nothing outlives the run.
+
+``clone`` (torch's C++ ``Store`` contract; torch calls it when it splits or
+shrinks process groups) gives a store with a client of its own on the same
+keys, lease and timeout.
 """
 
 from __future__ import annotations
@@ -39,8 +43,29 @@ class Etcd3Store(dist.Store):
         self._client = client
         self._prefix = prefix if prefix.endswith(b"/") else prefix + b"/"
         self._lease = lease
+        self._owns_client = False
+        # pybind11 keeps only the C++ half of a Python store that C++ holds alone:
+        # a clone handed to PrefixStore would lose its methods ("Not implemented")
+        # once Python dropped it. The original keeps its clones alive, and closes them.
+        self._clones: list[Etcd3Store] = []
         if timeout is not None:
             self.set_timeout(timeout)
+
+    # -- torch's Store contract -----------------------------------------------
+    def clone(self) -> Etcd3Store:
+        """A new store with its own etcd client, on the same keys, lease and timeout."""
+        twin = Etcd3Store(EtcdClient(self._client.options), self._prefix, self._lease, self.timeout)
+        twin._owns_client = True
+        self._clones.append(twin)
+        return twin
+
+    def close(self) -> None:
+        """Close the clients of this store's clones (and its own, if it is a clone)."""
+        clones, self._clones = self._clones, []
+        for twin in clones:
+            twin.close()
+        if self._owns_client:
+            self._client.close()
 
     # -- writes ---------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
@@ -145,8 +170,8 @@ class Etcd3Store(dist.Store):
             if left <= 0:
                 missing = [k for k, v in zip(keys, values) if v is None]
                 raise dist.DistStoreError(
-                    f"Timed out after {timeout.total_seconds():g} s waiting for the key(s) "
-                    f"{missing} in the etcd3 store."
+                    f"Timed out: the timeout of {timeout.total_seconds():g} s passed while waiting for "
+                    f"the key(s) {missing} in the etcd3 store."
                 )
             time.sleep(min(pause, left))
             pause = min(pause * 2, _POLL_MAX)

@@ -9,8 +9,15 @@ from typing import Any
 from service.tasks.base import Task, TaskSpec
 from service.tasks.registry import BUILTIN_TASKS
 
+
 class TaskError(ValueError):
     """A task reference cannot be loaded or its build function returned the wrong thing."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def resolve(reference: str) -> Any:
@@ -29,6 +36,11 @@ def resolve(reference: str) -> Any:
             f"The task module {module_name!r} could not be imported ({exc}). Install the package that "
             "provides it, or put its folder on PYTHONPATH."
         ) from exc
+    except (Exception, SystemExit) as exc:  # a module that raises or calls sys.exit at import
+        raise TaskError(
+            f"The task module {module_name!r} failed while being imported: {_describe(exc)}. Fix the module "
+            f"(python -c 'import {module_name}' shows the traceback); nothing was trained."
+        ) from exc
     try:
         return getattr(module, attribute)
     except AttributeError as exc:
@@ -38,7 +50,13 @@ def resolve(reference: str) -> Any:
 def load_task(reference: str, seed: int, options: Mapping[str, Any]) -> Task:
     """Build a task; a build function gets one :class:`TaskSpec` and must return a :class:`Task`."""
     build = resolve(reference)
-    task = build(TaskSpec(seed=seed, options=dict(options)))
+    try:
+        task = build(TaskSpec(seed=seed, options=dict(options)))
+    except (Exception, SystemExit) as exc:
+        raise TaskError(
+            f"The task function {reference!r} failed while building the task: {_describe(exc)}. Fix the "
+            "function or its task_options; nothing was trained."
+        ) from exc
     if not isinstance(task, Task):
         raise TaskError(
             f"The task function {reference!r} returned {type(task).__name__}, not service.tasks.base.Task. "

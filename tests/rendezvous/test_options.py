@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from service.rendezvous.options import DEFAULTS, Endpoint, parse_endpoints, parse_options
+from service.rendezvous.options import (
+    BOUNDS,
+    DEFAULTS,
+    Endpoint,
+    parse_endpoints,
+    parse_options,
+    scrub_secret_env,
+)
 from service.rendezvous.signing import StateCodec, StateIntegrityError
+
+from .states import state_bytes
 
 
 def test_defaults_recover_within_six_seconds() -> None:
@@ -52,8 +61,8 @@ def test_secret_from_env_and_repr_hides_it(tmp_path: Path) -> None:
         ("h", {"secret": "pw"}, {}, "never read from the command line"),
         ("h", {"ttl": "abc"}, {}, "must be a number"),
         ("h", {"ttl": "1"}, {}, "at least 2 seconds"),
-        ("h", {"read_timeout": "0"}, {}, "must be positive"),
-        ("h", {"grace_period": "-1"}, {}, "must not be negative"),
+        ("h", {"read_timeout": "0"}, {}, "'read_timeout' is 0, outside its allowed range of 0.1 to 3600 seconds"),
+        ("h", {"grace_period": "-1"}, {}, "'grace_period' is -1, outside its allowed range of 0 to 86400 seconds"),
         ("h", {"keep_alive_max_attempt": "3.5"}, {}, "whole number"),
         ("h", {"keep_alive_max_attempt": "2"}, {}, "at least 3"),
         ("h", {"last_call_timeout": "nan"}, {}, "finite"),
@@ -87,14 +96,79 @@ def test_empty_run_id_is_refused() -> None:
 
 
 def test_codec_binds_state_to_its_key() -> None:
-    codec = StateCodec(b"k" * 16)
-    blob = codec.encode(b"state", b"/p/run-a/state")
-    assert codec.decode(blob, b"/p/run-a/state") == b"state"
+    codec = StateCodec(b"k" * 16, "run-a")
+    state = state_bytes()
+    blob = codec.encode(state, b"/p/run-a/state")
+    assert codec.decode(blob, b"/p/run-a/state") == state
     with pytest.raises(StateIntegrityError, match="HMAC"):
         codec.decode(blob, b"/p/run-b/state")
     with pytest.raises(StateIntegrityError, match="corrupt"):
         codec.decode(b"junk", b"/p/run-a/state")
-    assert codec.encode(b"state", b"k") != codec.encode(b"state", b"k")  # fresh nonce each write
+    assert codec.encode(state, b"k") != codec.encode(state, b"k")  # fresh nonce each write
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_codec_passes_real_states_of_every_pickle_protocol(protocol: int) -> None:
+    state = state_bytes(protocol=protocol)
+    for secret in (None, b"k" * 16):
+        codec = StateCodec(secret, "run")
+        assert codec.decode(codec.encode(state, b"/p/run/state"), b"/p/run/state") == state
+
+
+# Rendezvous numbers: (option, value, what the message must say). Every bound, both sides.
+BAD_NUMBERS = [
+    ("ttl", "1", "'ttl' must be at least 2 seconds"),
+    ("ttl", "100000000000000", "'ttl' is 100000000000000, outside its allowed range of 2 to 9000000000 seconds"),
+    ("ttl", "1e20", "'ttl' is 100000000000000000000, outside its allowed range"),
+    ("ttl", "2.5", "'ttl' must be a whole number"),
+    ("ttl", "inf", "'ttl' must be a finite number"),
+    ("read_timeout", "0.01", "'read_timeout' is 0.01, outside its allowed range of 0.1 to 3600 seconds"),
+    ("read_timeout", "1e6", "'read_timeout' is 1000000, outside its allowed range of 0.1 to 3600 seconds"),
+    ("grace_period", "-0.5", "'grace_period' is -0.5, outside its allowed range of 0 to 86400 seconds"),
+    ("grace_period", "1e9", "'grace_period' is 1000000000, outside"),
+    ("failed_node_retry", "-1", "'failed_node_retry' is -1, outside its allowed range of 0 to 3600 seconds"),
+    ("failed_node_retry", "7200", "'failed_node_retry' is 7200, outside"),
+    ("join_timeout", "0", "'join_timeout' is 0, outside its allowed range of 0.1 to 31536000 seconds"),
+    ("join_timeout", "1e14", "'join_timeout' is 100000000000000, outside"),
+    ("last_call_timeout", "0", "'last_call_timeout' is 0, outside its allowed range of 0.01 to 86400 seconds"),
+    ("last_call_timeout", "1e10", "'last_call_timeout' is 10000000000, outside"),
+    ("close_timeout", "-3", "'close_timeout' is -3, outside its allowed range of 0.1 to 86400 seconds"),
+    ("close_timeout", "1e7", "'close_timeout' is 10000000, outside"),
+    ("heartbeat_timeout", "0", "'heartbeat_timeout' is 0, outside its allowed range of 0.1 to 86400 seconds"),
+    ("heartbeat_timeout", "90000", "'heartbeat_timeout' is 90000, outside"),
+    ("keep_alive_interval", "0.001", "'keep_alive_interval' is 0.001, outside its allowed range of 0.1 to 3600"),
+    ("keep_alive_interval", "4000", "'keep_alive_interval' is 4000, outside"),
+    ("keep_alive_max_attempt", "2", "'keep_alive_max_attempt' must be at least 3"),
+    ("keep_alive_max_attempt", "5000", "'keep_alive_max_attempt' is 5000, outside its allowed range of 3 to 1000 attempts"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), BAD_NUMBERS)
+def test_numeric_bounds_name_option_value_and_range(option: str, value: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_options("h", "job", {option: value}, {})
+    text = str(info.value)
+    assert message in text, text
+    assert text[0].isupper() and text.endswith("."), text
+    assert "password" not in text
+
+
+def test_bounds_cover_every_number_and_admit_the_defaults() -> None:
+    assert set(BOUNDS) == set(DEFAULTS)
+    assert {option for option, _, _ in BAD_NUMBERS} == set(DEFAULTS)
+    for name, (low, high, _) in BOUNDS.items():
+        parse_options("h", "job", {name: str(low)}, {})
+        parse_options("h", "job", {name: str(high)}, {})
+        assert low <= DEFAULTS[name] <= high
+
+
+def test_scrub_removes_only_the_named_secret_variables() -> None:
+    env = {"PW": "p", "KEY": "k", "PATH": "/bin", "OTHER": "o"}
+    removed = scrub_secret_env({"password_env": "PW", "secret_env": " KEY ", "user": "u"}, env)
+    assert sorted(removed) == ["KEY", "PW"]
+    assert env == {"PATH": "/bin", "OTHER": "o"}
+    assert scrub_secret_env({"password_env": "PW"}, env) == []  # already gone: nothing to do
+    assert scrub_secret_env({}, env) == [] and env == {"PATH": "/bin", "OTHER": "o"}
 
 
 def test_defaults_table_is_complete() -> None:

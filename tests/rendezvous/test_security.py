@@ -8,20 +8,41 @@ backend is made from a ``--rdzv-conf`` string through torch's own parser and
 
 from __future__ import annotations
 
+import hashlib
+import http.server
+import json
+import os
+import re
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
 from service.rendezvous.factory import Etcd3Parts, build_parts
 
 from .agents import Agent
-from .conftest import REPO, EtcdMember, TlsFiles, enable_auth, make_tls_files, require_openssl, start_single
+from .conftest import (
+    REPO,
+    EtcdMember,
+    TlsFiles,
+    enable_auth,
+    make_tls_files,
+    require_openssl,
+    start_single,
+)
+from .states import state_bytes as S
 
 USER = "ddp"
 PASSWORD = "pw-" + uuid.uuid4().hex
@@ -99,13 +120,13 @@ def assert_round_trip(parts: Etcd3Parts) -> None:
     """set_state/get_state with real tokens, then the store as torch wraps it."""
     backend = parts.backend
     assert backend.get_state() is None
-    state, token, won = backend.set_state(b"state-1")
-    assert (state, won) == (b"state-1", True)
-    assert backend.get_state() == (b"state-1", token)
-    state, token2, won = backend.set_state(b"state-2", token)
-    assert (state, won) == (b"state-2", True) and token2 > token
+    state, token, won = backend.set_state(S("state-1"))
+    assert (state, won) == (S("state-1"), True)
+    assert backend.get_state() == (S("state-1"), token)
+    state, token2, won = backend.set_state(S("state-2"), token)
+    assert (state, won) == (S("state-2"), True) and token2 > token
     # A stale token loses and gets the current state back.
-    assert backend.set_state(b"stale", token) == (b"state-2", token2, False)
+    assert backend.set_state(S("stale"), token) == (S("state-2"), token2, False)
 
     store = dist.PrefixStore("torch.rendezvous.run.0", parts.store)
     store.set("k", b"v")
@@ -237,9 +258,131 @@ def test_auth_expired_token_logs_in_again(
     etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory
 ) -> None:
     parts = make_parts(etcd_auth.endpoint, f"user={USER},password_file={password_file}")
-    _, token, _ = parts.backend.set_state(b"before")
+    _, token, _ = parts.backend.set_state(S("before"))
     first_login = parts.client.raw.metadata
     time.sleep(2.5)  # past --auth-token-ttl=1 and etcd's 1 s expiry tick
-    assert parts.backend.set_state(b"after", token)[1:] != (token, False)
-    assert parts.backend.get_state()[0] == b"after"
+    assert parts.backend.set_state(S("after"), token)[1:] != (token, False)
+    assert parts.backend.get_state()[0] == S("after")
     assert parts.client.raw.metadata != first_login, "the client did not log in again"
+
+
+def test_worker_never_sees_the_password_or_the_secret(etcd_auth: EtcdMember, tmp_path: Path, run_id: str) -> None:
+    """A real torchrun agent reads both from its environment, removes them, and its worker sees neither."""
+    secret = "rdzv-secret-" + uuid.uuid4().hex
+    env = {"DDP_TEST_ETCD_PW": PASSWORD, "DDP_TEST_RDZV_SECRET": secret}
+    agent = Agent(
+        tmp_path / "agent.log", "127.0.0.2", "etcd3", etcd_auth.endpoint, run_id, "1", 1,
+        [str(REPO / "tests" / "scripts" / "print_env.py")], max_restarts=0, env=env,
+        rdzv_conf=f"user={USER},password_env=DDP_TEST_ETCD_PW,secret_env=DDP_TEST_RDZV_SECRET",
+    )
+    try:
+        rc = agent.wait(90)
+        log = agent.log()
+        assert rc == 0, f"torchrun exited {rc}:\n{log[-4000:]}"
+        found = re.search(r"worker-env (\{.*\})", log)
+        assert found, log[-4000:]
+        seen = json.loads(found.group(1))
+        assert "RANK" in seen["names"] and "TORCHELASTIC_RUN_ID" in seen["names"], seen["names"]
+        assert not {"DDP_TEST_ETCD_PW", "DDP_TEST_RDZV_SECRET"} & set(seen["names"])
+        for value in (PASSWORD, secret):
+            assert hashlib.sha256(value.encode()).hexdigest() not in seen["value_hashes"]
+            assert value not in log
+    finally:
+        agent.kill()
+
+
+def test_plugin_scrubs_secret_variables_even_when_the_start_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters as Params
+
+    from service.rendezvous.plugin import create_rendezvous_handler
+
+    monkeypatch.setenv("DDP_TEST_RDZV_SECRET", "0123456789abcdef-secret")
+    monkeypatch.setenv("KEEP_ME", "1")
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the plugin sets it; restored after
+    params = Params("etcd3", "127.0.0.1:1", "scrub", 1, 1, secret_env="DDP_TEST_RDZV_SECRET", read_timeout="0.5")
+    with pytest.raises(RendezvousConnectionError):
+        create_rendezvous_handler(params)
+    assert "DDP_TEST_RDZV_SECRET" not in os.environ and os.environ["KEEP_ME"] == "1"
+
+
+# -- not etcd at all, and bad numbers ---------------------------------------------
+
+
+class _ServerThatIsNotEtcd:
+    """A listening socket on 127.0.0.1 that answers as ``kind``: plain bytes, HTTP/1.1, or gRPC without etcd."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._stop: Callable[[], None]
+        if kind == "http":
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.port = server.server_address[1]
+            self._stop = lambda: (server.shutdown(), server.server_close())
+        elif kind == "grpc":
+            server = grpc.server(futures.ThreadPoolExecutor(2))
+            self.port = server.add_insecure_port("127.0.0.1:0")
+            server.start()
+            self._stop = lambda: server.stop(0)
+        else:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)
+            self.port = sock.getsockname()[1]
+            threading.Thread(target=self._banner, args=(sock,), daemon=True).start()
+            self._stop = sock.close
+
+    @staticmethod
+    def _banner(sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            try:
+                conn.sendall(b"220 smtp.example ESMTP ready\r\n")
+            except OSError:
+                pass
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop()
+
+
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("tcp", "does not speak gRPC over plain HTTP/2"),
+        ("http", "does not speak gRPC over plain HTTP/2"),
+        ("grpc", "is not an etcd v3 server"),
+    ],
+)
+def test_endpoint_that_is_not_etcd_gets_the_right_reason(kind: str, reason: str, make_parts: PartsFactory) -> None:
+    server = _ServerThatIsNotEtcd(kind)
+    try:
+        endpoint = f"127.0.0.1:{server.port}"
+        message = assert_fails_fast(lambda: make_parts(endpoint, FAST), RendezvousConnectionError, endpoint, reason)
+        assert "password" not in message and "user" not in message, message
+        assert "--rdzv-endpoint" in message, message
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("conf", "fragment"),
+    [
+        ("ttl=100000000000000", "'ttl' is 100000000000000, outside its allowed range of 2 to 9000000000 seconds"),
+        ("ttl=1e20", "'ttl' is 100000000000000000000, outside its allowed range"),
+        ("read_timeout=99999", "'read_timeout' is 99999, outside its allowed range of 0.1 to 3600 seconds"),
+    ],
+)
+def test_huge_numbers_are_refused_before_etcd_is_asked(
+    conf: str, fragment: str, etcd_server: EtcdMember, make_parts: PartsFactory
+) -> None:
+    message = assert_fails_fast(lambda: make_parts(etcd_server.endpoint, conf), ValueError, fragment)
+    assert "password" not in message, message

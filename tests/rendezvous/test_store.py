@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +17,9 @@ from torch.distributed.elastic.utils.store import barrier, synchronize
 
 from service.rendezvous.factory import Etcd3Parts
 from service.rendezvous.options import parse_options
+from service.rendezvous.store import Etcd3Store
 
-from .conftest import EtcdMember
+from .conftest import REPO, EtcdMember, kill_group
 
 
 @pytest.fixture
@@ -46,15 +51,66 @@ def test_get_blocks_until_the_key_appears(store: dist.Store) -> None:
 
 
 def test_get_and_wait_time_out_with_dist_store_error(store: dist.Store) -> None:
+    """Like torch's own stores: DistStoreError, and the message says it timed out."""
     store.set_timeout(timedelta(seconds=0.3))
     started = time.monotonic()
-    with pytest.raises(dist.DistStoreError):
+    with pytest.raises(dist.DistStoreError, match="Timed out.*timeout of 0.3 s"):
         store.get("never")
-    with pytest.raises(dist.DistStoreError):
+    with pytest.raises(dist.DistStoreError, match="Timed out.*timeout of 0.2 s"):
         store.wait(["never"], timedelta(seconds=0.2))
-    with pytest.raises(dist.DistStoreError):
+    with pytest.raises(dist.DistStoreError, match="(?i)timeout") as info:
         store.multi_get(["never", "either"])
+    assert "never" in str(info.value) and "either" in str(info.value)
     assert time.monotonic() - started < 3
+
+
+def test_clone_is_a_new_client_on_the_same_keys(parts: Etcd3Parts) -> None:
+    parts.store.set_timeout(timedelta(seconds=7))
+    twin = parts.store.clone()
+    assert isinstance(twin, Etcd3Store) and twin is not parts.store
+    assert twin._client is not parts.store._client and twin._client.options == parts.store._client.options
+    assert twin.timeout == timedelta(seconds=7)
+    twin.set("from-clone", b"1")
+    parts.store.set("from-original", b"2")
+    assert parts.store.get("from-clone") == b"1" and twin.get("from-original") == b"2"
+    assert twin.add("n", 2) == 2 and parts.store.add("n", 3) == 5
+    # Written on the run's lease, like every key of the original.
+    _, meta = parts.client.call(lambda c: c.get(twin._k("from-clone")), "read")
+    assert meta.lease_id == parts.lease.id()
+    # torch clones through its PrefixStore in C++ (split and shrunk groups): the clone keeps its methods.
+    prefixed = dist.PrefixStore("grp", parts.store).clone()
+    gc.collect()
+    prefixed.set("k", b"v")
+    assert dist.PrefixStore("grp", twin).get("k") == b"v"
+    # Closing the original's parts closes the clones' clients too.
+    parts.store.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        twin._client.raw.get(b"/x")
+
+
+@pytest.mark.e2e
+def test_gloo_world_of_two_on_the_store_with_new_group_and_a_clone(etcd_server: EtcdMember, run_id: str) -> None:
+    """Two processes: init_process_group over the etcd3 store, dist.new_group, and a gloo group on a clone."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    script = str(REPO / "tests" / "scripts" / "etcd3_store_group.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, etcd_server.endpoint, run_id, str(rank), "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            outputs.append(out)
+            assert proc.returncode == 0, out[-3000:]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    for rank, out in enumerate(outputs):
+        assert f"etcd3-group rank={rank} world=3 sub=20 clone=200 peer={1 - rank}" in out, out[-3000:]
 
 
 def test_wait_and_check(store: dist.Store) -> None:

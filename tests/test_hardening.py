@@ -1,0 +1,241 @@
+"""One job per run_dir (issue 10, point 4), no orphans (point 5), train.nonfinite (point 6); real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, child_env, kill_group, read_summary, run_job
+from procs import worker_pids
+from test_resume_e2e import SLOW, finish, start
+
+from service.runlock import LOCK_NAME, RunDirLock, RunDirLockedError
+
+pytestmark = pytest.mark.e2e
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such pid, or a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_gone(pids: list[int], timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if all(gone(pid) for pid in pids):
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"still running {timeout} s later: {[pid for pid in pids if not gone(pid)]}")
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+# ------------------------------------------------------------------------------------------- one job per run_dir
+
+
+def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
+    run_dir = tmp_path / "run"
+    job = (*SLOW, "train.max_steps=300", "train.epochs=10", "task_options.sleep=0.05")
+    first, watcher = start(run_dir, 1, *job)
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 2/", timeout=120)
+        holder = worker_pids(first.pid)[0]
+        run_id = environ_of(holder)["TORCHELASTIC_RUN_ID"]
+        started = time.monotonic()
+        second = run_job(run_dir, 1, *job, expect_ok=False, timeout=90)
+        took = time.monotonic() - started
+        assert second.returncode != 0
+        for needle in ("RunDirLockedError", f"pid {holder} on host {socket.gethostname()!r}", f"run id {run_id!r}",
+                       "since ", "Use another run_dir"):  # fmt: skip
+            assert needle in second.stdout, f"{needle!r} missing:\n{second.stdout[-3000:]}"
+        assert " INFO step " not in second.stdout and took < 60
+        assert first.poll() is None  # the refusal came while the first job was still training
+        assert finish(first, watcher) == 0, watcher.text()[-3000:]
+    finally:
+        kill_group(first)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["global_step"] == 300  # the first job's, untouched
+    assert not (run_dir / LOCK_NAME).exists()  # released on exit
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pid = dead_pid()
+    (run_dir / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "run_id": "old-job",
+                                                 "started": time.time() - 60, "token": "x"}))  # fmt: skip
+    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", "task_options.sleep=0")
+    assert f"pid {pid} on host {socket.gethostname()!r}, run id 'old-job'" in done.stdout
+    assert f"is stale (its process {pid} on this host is gone): taking it over" in done.stdout
+    assert read_summary(run_dir)["status"] == "completed" and not (run_dir / LOCK_NAME).exists()
+
+
+def test_locks_of_other_hosts_go_stale_only_without_heartbeat(tmp_path):
+    """The rule for hosts whose pids cannot be checked: the mtime (renewed every `renew` s) decides."""
+    lock_path = tmp_path / LOCK_NAME
+    lock_path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "run_id": "other", "started": 0, "token": "t"}))
+    with pytest.raises(RunDirLockedError, match=r"pid 1 on host 'elsewhere', run id 'other'"):
+        RunDirLock(tmp_path, "mine", renew=1.0, stale_after=3).acquire()
+    os.utime(lock_path, (time.time() - 10, time.time() - 10))
+    taker = RunDirLock(tmp_path, "mine", renew=0.2, stale_after=3)
+    taker.acquire()
+    assert json.loads(lock_path.read_text())["run_id"] == "mine"
+    renewed = lock_path.stat().st_mtime
+    time.sleep(0.5)
+    assert lock_path.stat().st_mtime > renewed  # the heartbeat renews it
+    with pytest.raises(RunDirLockedError):  # a live holder on this host is refused
+        RunDirLock(tmp_path, "mine").acquire()
+    taker.release()
+    assert not lock_path.exists()
+
+
+def test_a_restart_of_the_same_job_after_its_rank0_was_killed_takes_the_lock_over(tmp_path):
+    """SIGKILL of the lock holder (rank 0) under --max-restarts=1: the next attempt's rank 0 takes the lock over."""
+    run_dir = tmp_path / "run"
+    job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=4", "task_options.sleep=0.04")
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000004\.pt", timeout=120)
+        os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["restarts"] == 1, watcher.text()[-3000:]
+    assert "is stale (its process" in watcher.text() and "taking it over" in watcher.text()
+
+
+def test_prune_leaves_checkpoints_of_another_lineage_alone(tmp_path):
+    from service.checkpoint_io import candidate_steps, prune, write_checkpoint
+
+    state = {"format": 1}
+    for step in (1, 2):
+        write_checkpoint(tmp_path, step, state, "0" * 64, lineage="other")
+    for step in (3, 4, 5, 6):
+        write_checkpoint(tmp_path, step, state, "0" * 64, lineage="mine")
+    prune(tmp_path, 2, 6, {"mine"})
+    assert candidate_steps(tmp_path) == [6, 5, 2, 1]
+
+
+# ------------------------------------------------------------------------------------------- no orphans
+
+HARNESS = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+ONLY_PDEATHSIG = """
+import time
+from service.orphans import set_parent_death_signal
+assert set_parent_death_signal()
+time.sleep(120)
+"""
+ONLY_WATCHDOG = """
+import os, time
+from service.orphans import ParentWatchdog
+ParentWatchdog(os.getppid(), interval=0.2).start()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("child", [ONLY_PDEATHSIG, ONLY_WATCHDOG], ids=["pdeathsig-alone", "watchdog-alone"])
+def test_each_orphan_mechanism_alone_ends_the_child_when_its_parent_is_killed(child):
+    parent = subprocess.Popen([sys.executable, "-c", HARNESS, child], cwd=REPO, env=child_env(),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        pid = int(parent.stdout.readline())
+        time.sleep(1.5)  # let the child arm its mechanism
+        assert not gone(pid)
+        parent.kill()
+        parent.wait()
+        print(f"child gone {wait_gone([pid], 5):.2f} s after its parent")
+    finally:
+        kill_group(parent)
+
+
+def two_free_ports() -> int:
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port < 65535:
+                with socket.socket() as second:
+                    try:
+                        second.bind(("127.0.0.1", port + 1))
+                    except OSError:
+                        continue
+                    return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_workers_of_a_sigkilled_agent_stop_free_their_ports_and_save_nothing_more(tmp_path):
+    run_dir, port = tmp_path / "run", two_free_ports()
+    job = (*SLOW, "train.max_steps=400", "train.epochs=100", "checkpoint.every_steps=1", "task_options.sleep=0.05",
+           f"metrics.port={port}")  # fmt: skip
+    proc, watcher = start(run_dir, 2, *job)
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000003\.pt", timeout=120)
+        workers = worker_pids(proc.pid)
+        assert set(workers) == {0, 1}
+        killed_at = time.time()
+        os.kill(proc.pid, signal.SIGKILL)  # the agent only: its workers live in sessions of their own
+        proc.wait()
+        took = wait_gone(list(workers.values()), 5)
+    finally:
+        kill_group(proc)
+    print(f"workers gone {took:.2f} s after the agent")
+    for local_rank in (0, 1):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port + local_rank))  # free again
+    time.sleep(1.0)
+    created = [json.loads(path.read_text())["created"] for path in (run_dir / "checkpoints").glob("step-*.json")]
+    assert created and max(created) < killed_at + 0.5  # nothing saved after the agent was gone
+    assert "preempted" not in watcher.text()  # SIGKILL, not the preemption path
+
+
+# ------------------------------------------------------------------------------------------- train.nonfinite
+
+NAN = ("task=nan_tasks:nan_at", "task_options.steps=[3]", "train.max_steps=8", "train.epochs=10",
+       "checkpoint.every_steps=2", "train.log_every=4")  # fmt: skip
+
+
+def test_nonfinite_stop_fails_naming_the_step_and_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run_job(run_dir, 1, *NAN, expect_ok=False)
+    assert done.returncode != 0
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["stopped_at_step"] == 4
+    message = summary["error"]
+    assert "NonfiniteError: The gradient norm at step 3 is not finite" in message
+    assert f"The last good checkpoint is {run_dir / 'checkpoints' / 'step-00000002.pt'}" in message
+    assert "train.nonfinite=skip" in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000002.pt"]  # no nan save
+
+
+def test_nonfinite_skip_skips_the_update_and_counts_it(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run_job(run_dir, 1, *NAN, "task_options.steps=[3,5]", "train.nonfinite=skip")
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["nonfinite_steps"] == 2
+    assert summary["final_loss"] == summary["final_loss"]  # finite: the nan steps never reached the weights
+    assert "step 3: the gradient norm is nan; its update is skipped" in done.stdout
