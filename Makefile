@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo test bench clean
+.PHONY: install install-test demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m service train --set run_dir=runs/demo
 	@echo "--- runs/demo/summary.json"
 	@cat runs/demo/summary.json
+
+## lint: ruff (lint and format check) over the tree, mypy over service/ (settings in pyproject.toml).
+lint: install-test
+	$(PY) -m ruff check service tests bench examples
+	$(PY) -m ruff format --check service tests bench examples
+	$(PY) -m mypy
 
 ## test: the whole suite, real processes included.
 test: install-test

@@ -108,8 +108,22 @@ def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a s
 def run(mode: str, epochs: int, batch: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               __file__, "--worker", mode, "--epochs", str(epochs), "--batch", str(batch), "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            __file__,
+            "--worker",
+            mode,
+            "--epochs",
+            str(epochs),
+            "--batch",
+            str(batch),
+            "--out",
+            str(out),
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:

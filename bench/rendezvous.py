@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # agents.py imports procs from there
 
 from procs import worker_pids  # noqa: E402
+
 from tests.rendezvous.agents import Agent, recovery_seconds  # noqa: E402
 from tests.rendezvous.conftest import find_etcd, free_port, start_single  # noqa: E402
 
@@ -94,9 +95,12 @@ def rendezvous_time(backend: str, etcd_endpoint: str) -> float:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", ONE_JOIN, backend, endpoint, run_id, addr, str(start_at), json.dumps(conf)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
-        for addr, conf in zip(("127.0.0.2", "127.0.0.3"), confs)
+        for addr, conf in zip(("127.0.0.2", "127.0.0.3"), confs, strict=True)
     ]
     results = []
     for proc in procs:
@@ -120,7 +124,9 @@ def recovery_time(backend: str, etcd_endpoint: str, workdir: Path) -> float:
     # restarted plain workers read stale gloo addresses and hang (see docs/rendezvous.md).
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = [
-        Agent(workdir / f"{run_id}-{i}.log", addr, backend, endpoint, run_id, "2", 1, job, rdzv_conf=conf_text[i], env=env)
+        Agent(
+            workdir / f"{run_id}-{i}.log", addr, backend, endpoint, run_id, "2", 1, job, rdzv_conf=conf_text[i], env=env
+        )
         for i, addr in enumerate(("127.0.0.2", "127.0.0.3"))
     ]
     try:
@@ -181,11 +187,11 @@ def main() -> int:
         etcd = start_single(binary, workdir, extra=["--enable-v2"])
         try:
             for round_no in range(args.rounds):
-                order = backends[round_no % len(backends):] + backends[: round_no % len(backends)]
+                order = backends[round_no % len(backends) :] + backends[: round_no % len(backends)]
                 for backend in order:
                     for name, measure in (
-                        ("rendezvous", lambda: rendezvous_time(backend, etcd.endpoint)),
-                        ("recovery", lambda: recovery_time(backend, etcd.endpoint, workdir)),
+                        ("rendezvous", lambda backend=backend: rendezvous_time(backend, etcd.endpoint)),
+                        ("recovery", lambda backend=backend: recovery_time(backend, etcd.endpoint, workdir)),
                     ):
                         try:
                             value = measure()

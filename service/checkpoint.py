@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from service.checkpoint_io import nearest_existing, CheckpointWriteError, candidate_steps, prune, state_name, write_checkpoint
+from service.checkpoint_io import (
+    CheckpointWriteError,
+    candidate_steps,
+    nearest_existing,
+    prune,
+    state_name,
+    write_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,18 +117,19 @@ class Rank0Checkpointer(Checkpointer):
         self._report_background()
         if not self.every_steps or global_step % self.every_steps:
             return
-        if self._writer is None:
+        staging, writer = self._staging, self._writer
+        if staging is None or writer is None:
             self._write(global_step, state())
             return
         self._wait()
         self._report_background()  # the save before this one may have failed while we waited for it
         started = time.perf_counter()
-        staged = self._staging.stage(state())
-        ready = torch.cuda.Event() if self._staging.pin else None
+        staged = staging.stage(state())
+        ready = torch.cuda.Event() if staging.pin else None
         if ready is not None:
             ready.record()
         self._inflight_step = global_step
-        self._inflight = self._writer.submit(self._write_staged, global_step, staged, ready)
+        self._inflight = writer.submit(self._write_staged, global_step, staged, ready)
         log.info("checkpoint step %d staged in %.3f s; writing in the background", global_step,
                  time.perf_counter() - started)  # fmt: skip
 

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,7 +58,7 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: Literal[1] = FORMAT
+    format: Literal[1] = 1
     step: int = Field(ge=0, lt=10**8)
     file: str
     size: int = Field(ge=0)
@@ -155,7 +155,7 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
         def save(file: BinaryIO) -> _HashingWriter:
             writer = _HashingWriter(file)
             try:
-                torch.save(state, writer)
+                torch.save(state, cast(BinaryIO, writer))
             except RuntimeError:
                 if writer.error is not None:  # the disk, not the state: report the OSError
                     raise writer.error from None

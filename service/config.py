@@ -74,11 +74,15 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
     global_batch_size: int | None = Field(
-        None, ge=1, description="Samples per optimizer step over the whole world, kept under resizes; null: "
-        "batch_size x world_size x grad_accum."
+        None,
+        ge=1,
+        description="Samples per optimizer step over the whole world, kept under resizes; null: "
+        "batch_size x world_size x grad_accum.",
     )
     lr: Finite = Field(0.05, gt=0)
-    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step (derived when global_batch_size is set).")
+    grad_accum: int = Field(
+        1, ge=1, description="Micro-steps per optimizer step (derived when global_batch_size is set)."
+    )
     amp: Amp = "auto"
     sync_batchnorm: OnOffAuto = "auto"
     strategy: Literal["ddp", "dp"] = "ddp"
@@ -111,7 +115,9 @@ class DataConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(50, ge=0, description="Save every N optimizer steps; 0: only at the end and on preemption.")
+    every_steps: int = Field(
+        50, ge=0, description="Save every N optimizer steps; 0: only at the end and on preemption."
+    )
     keep: int = Field(3, description="How many recent complete checkpoints to keep (at least 2).")
     resume: Literal["auto", "never", "require"] = "auto"
     async_save: bool = Field(False, alias="async", description="Write periodic saves in the background.")
@@ -153,7 +159,9 @@ class JobConfig(_Section):
     task: str = "shapes-segmentation"
     task_options: dict[str, Any] = Field(default_factory=dict)
     run_dir: str = "runs/demo"
-    seed: Annotated[int, _within(0, SEED_MAX, "pick a seed below 2**32, e.g. 0")] = Field(0, description="0 to 2**32 - 1.")
+    seed: Annotated[int, _within(0, SEED_MAX, "pick a seed below 2**32, e.g. 0")] = Field(
+        0, description="0 to 2**32 - 1."
+    )
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -227,7 +235,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([f"the top level is a {type(data).__name__}, not a mapping of keys"], f"The config file {file}")
+        raise ConfigError(
+            [f"the top level is a {type(data).__name__}, not a mapping of keys"], f"The config file {file}"
+        )
     return data
 
 

@@ -47,8 +47,11 @@ def differences(fields: list[dict[str, Any]]) -> list[str]:
     lines = []
     reference = fields[0]
     for rank, theirs in enumerate(fields[1:], start=1):
-        changed = [f"{key} (rank 0: {reference.get(key)!r}, rank {rank}: {theirs.get(key)!r})"
-                   for key in sorted(reference.keys() | theirs.keys()) if reference.get(key) != theirs.get(key)]  # fmt: skip
+        changed = [
+            f"{key} (rank 0: {reference.get(key)!r}, rank {rank}: {theirs.get(key)!r})"
+            for key in sorted(reference.keys() | theirs.keys())
+            if reference.get(key) != theirs.get(key)
+        ]
         if changed:
             lines.append(f"rank {rank}: {', '.join(changed)}")
     return lines

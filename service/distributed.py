@@ -44,9 +44,7 @@ def select_backend(requested: str, cuda_available: bool) -> str:
     if requested == "auto":
         return "nccl" if cuda_available else "gloo"
     if requested == "nccl" and not cuda_available:
-        raise EnvError(
-            "dist.backend is 'nccl' but no CUDA device is visible. Use 'auto' or 'gloo' on CPU machines."
-        )
+        raise EnvError("dist.backend is 'nccl' but no CUDA device is visible. Use 'auto' or 'gloo' on CPU machines.")
     return requested
 
 

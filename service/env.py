@@ -80,9 +80,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, fix: str
 def _check_world(info: WorldInfo, names: Mapping[str, str]) -> WorldInfo:
     """Cross-field checks shared by every launcher; ``names`` maps fields to the launcher's variables."""
     if info.world_size < 1:
-        raise EnvError(
-            f"The environment variable {names['world_size']}={info.world_size} must be at least 1."
-        )
+        raise EnvError(f"The environment variable {names['world_size']}={info.world_size} must be at least 1.")
     if info.rank >= info.world_size:
         raise EnvError(
             f"{names['rank']}={info.rank} is not smaller than {names['world_size']}={info.world_size}. "

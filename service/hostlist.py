@@ -63,7 +63,9 @@ def first_host(nodelist: str) -> str:
 
 
 def _split_top_level(text: str) -> list[str]:
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1

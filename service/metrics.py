@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from abc import ABC
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,7 +37,7 @@ class EvalReport:
     metric: float
 
 
-class MetricsSink(ABC):
+class MetricsSink:
     """Do-nothing defaults: a sink overrides only what it records."""
 
     def on_step(self, rank_samples: int) -> None:

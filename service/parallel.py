@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
     )
 
 
-def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:
     """Newer torch renames the per-forward buffer broadcast ``forward_sync_buffers``; older has only the old name."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
         return {"forward_sync_buffers": broadcast_buffers}

@@ -65,8 +65,13 @@ class Preemption:
     every rank.
     """
 
-    def __init__(self, agree: Callable[[bool, int], tuple[bool, int]], interval: float = 0.1,
-                 signals: tuple[signal.Signals, ...] = SIGNALS, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        agree: Callable[[bool, int], tuple[bool, int]],
+        interval: float = 0.1,
+        signals: tuple[signal.Signals, ...] = SIGNALS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.agree = agree
         self.interval = interval
         self.clock = clock

@@ -126,7 +126,7 @@ def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any,
     dist.all_reduce(first_holder, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(lacking, op=dist.ReduceOp.SUM, group=group)
     source, missing = int(first_holder.item()), int(lacking.item())
-    payload = local[1] if holds else b""
+    payload = local[1] if local is not None and holds else b""
     if missing:
         payload = _broadcast_bytes(payload, source, group)
     name = f"step-{newest:08d}.pt"

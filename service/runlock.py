@@ -76,7 +76,9 @@ def pid_alive(pid: int, started: str | None) -> bool:
 
 def describe_holder(holder: dict[str, Any]) -> str:
     since = holder.get("started")
-    when = datetime.datetime.fromtimestamp(since).isoformat(timespec="seconds") if isinstance(since, (int, float)) else "?"
+    when = (
+        datetime.datetime.fromtimestamp(since).isoformat(timespec="seconds") if isinstance(since, (int, float)) else "?"
+    )
     return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')!r}, run id {holder.get('run_id')!r}, "
             f"since {when}")  # fmt: skip
 
@@ -154,12 +156,16 @@ class RunDirLock(RunDirGuard):
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise RunDirError(f"Cannot create run_dir {self.run_dir}: {exc.strerror or exc}. Make its parent "
-                              "writable, or point run_dir at a writable volume; nothing was trained.") from exc  # fmt: skip
+            raise RunDirError(
+                f"Cannot create run_dir {self.run_dir}: {exc.strerror or exc}. Make its parent "
+                "writable, or point run_dir at a writable volume; nothing was trained."
+            ) from exc
         free = shutil.disk_usage(self.run_dir).free
         if free < MIN_FREE_BYTES:
-            raise RunDirError(f"run_dir {self.run_dir} has only {free / 2**20:.2f} MiB free; checkpoints and the "
-                              "summary would not fit. Free space there or point run_dir at a larger volume.")  # fmt: skip
+            raise RunDirError(
+                f"run_dir {self.run_dir} has only {free / 2**20:.2f} MiB free; checkpoints and the "
+                "summary would not fit. Free space there or point run_dir at a larger volume."
+            )
 
     def _create(self) -> bool:
         holder = {"host": self.host, "pid": os.getpid(), "pid_start": process_start(os.getpid()),
@@ -179,8 +185,10 @@ class RunDirLock(RunDirGuard):
         except OSError as exc:
             os.close(fd)
             self.path.unlink(missing_ok=True)
-            raise RunDirError(f"run_dir {self.run_dir} is not writable: writing {self.path} failed with "
-                              f"{exc.strerror or exc}. Free space there or point run_dir elsewhere.") from exc  # fmt: skip
+            raise RunDirError(
+                f"run_dir {self.run_dir} is not writable: writing {self.path} failed with "
+                f"{exc.strerror or exc}. Free space there or point run_dir elsewhere."
+            ) from exc
         os.close(fd)
         self.content = content
         return True

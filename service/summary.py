@@ -7,9 +7,15 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from service.parallel import unwrap
+
+if TYPE_CHECKING:  # the loop imports this module
+    from service.metrics import EvalReport
+    from service.train import Job, LoopState
 
 
 def model_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -37,3 +43,36 @@ class JsonSummaryWriter(SummaryWriter):
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         os.replace(partial, self.path)
+
+
+def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,
+                 status: str, error: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """What ``summary.json`` holds; ``samples_per_second`` counts what this start trained, not the samples before
+    the resumed step."""
+    return {
+        "status": status,
+        "stopped_at_step": state.global_step if status != "completed" else None,
+        "error": error,
+        "resumed_from": job.resumed.describe() if job.resumed else None,
+        "task": job.config.task,
+        "model_digest": model_digest(unwrap(job.model).state_dict()),
+        "global_step": state.global_step,
+        "total_steps": job.total_steps,
+        "samples_seen": state.samples_seen,
+        "epochs_completed": state.epochs_completed,
+        "world_size": job.world.world_size,
+        "global_batch_size": job.plan.global_batch,
+        "grad_accum": job.plan.micro_steps,
+        "restarts": job.world.restart_count,
+        "nonfinite_steps": job.nonfinite.skipped,
+        "final_loss": report.loss if report else None,
+        "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
+        "checkpoint": {
+            "last": str(job.roles.checkpointer.last_path or "") or None,
+            "failures": job.roles.checkpointer.failures,
+        },
+        "wall_seconds": round(seconds, 3),
+        "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
+        "launcher": job.world.launcher,
+        "device": job.device.type,
+    }

@@ -8,6 +8,8 @@ exactly like one rank × batch N·b with plain BatchNorm.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -68,15 +70,19 @@ class AllReduceBatchNorm(_BatchNorm):
         return out
 
     def _group(self) -> dist.ProcessGroup:
-        return self.process_group or dist.group.WORLD
+        return cast(dist.ProcessGroup, self.process_group or dist.group.WORLD)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
-        self.num_batches_tracked.add_(1)
-        factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        # With track_running_stats the three buffers exist (torch types them Optional).
+        tracked, running_mean, running_var = (
+            cast(Tensor, buffer) for buffer in (self.num_batches_tracked, self.running_mean, self.running_var)
+        )
+        tracked.add_(1)
+        factor = self.momentum if self.momentum is not None else 1.0 / float(tracked)
         unbiased = var * count / (count - 1).clamp(min=1)
-        self.running_mean.lerp_(mean, factor)
-        self.running_var.lerp_(unbiased, factor)
+        running_mean.lerp_(mean, factor)
+        running_var.lerp_(unbiased, factor)
 
 
 def convert_sync_batchnorm(module: nn.Module, device_type: str,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
@@ -36,7 +37,7 @@ from service.preemption import Preemption
 from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, restore, rng_state
 from service.roles import Roles, build_roles
 from service.sampler import DataPlan, PlanSampler, StepPlan
-from service.summary import model_digest
+from service.summary import make_summary
 from service.tasks.base import Task
 from service.tasks.loader import load_task
 
@@ -145,9 +146,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
     plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
     total_steps = plan_total_steps(plan, state, train)
     optimizer = make_optimizer(model.parameters(), train)
-    scheduler = LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule)
-    )
+    scheduler = LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule))
     if resumed is not None:
         restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
@@ -163,8 +162,15 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
         sampler=sampler,
         loader=loader,
         eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world),
-        roles=build_roles(config, world, total_steps, config_hash(config), dist_ctx.is_cuda,
-                          resumed.step if resumed else None, resumed.state.get("lineage") if resumed else None),
+        roles=build_roles(
+            config,
+            world,
+            total_steps,
+            config_hash(config),
+            dist_ctx.is_cuda,
+            resumed.step if resumed else None,
+            resumed.state.get("lineage") if resumed else None,
+        ),
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
@@ -205,7 +211,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, T
         inputs = inputs.to(job.device, non_blocking=True)
         targets = targets.to(job.device, non_blocking=True)
         last = index == count - 1
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
         with sync:
             with job.autocast():
                 loss = job.task.loss_fn(model(inputs), targets)
@@ -370,33 +376,3 @@ def train(job: Job) -> dict[str, Any]:
     summary = make_summary(job, state, report, seconds, trained, status)
     job.roles.summary.write(summary)
     return summary
-
-
-def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,
-                 status: str, error: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """``samples_per_second`` counts what this start trained, not the samples before the resumed step."""
-    return {
-        "status": status,
-        "stopped_at_step": state.global_step if status != "completed" else None,
-        "error": error,
-        "resumed_from": job.resumed.describe() if job.resumed else None,
-        "task": job.config.task,
-        "model_digest": model_digest(unwrap(job.model).state_dict()),
-        "global_step": state.global_step,
-        "total_steps": job.total_steps,
-        "samples_seen": state.samples_seen,
-        "epochs_completed": state.epochs_completed,
-        "world_size": job.world.world_size,
-        "global_batch_size": job.plan.global_batch,
-        "grad_accum": job.plan.micro_steps,
-        "restarts": job.world.restart_count,
-        "nonfinite_steps": job.nonfinite.skipped,
-        "final_loss": report.loss if report else None,
-        "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
-        "checkpoint": {"last": str(job.roles.checkpointer.last_path or "") or None,
-                       "failures": job.roles.checkpointer.failures},
-        "wall_seconds": round(seconds, 3),
-        "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
-        "launcher": job.world.launcher,
-        "device": job.device.type,
-    }

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from procs import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,9 +38,13 @@ def require_tool(name: str, why: str = "`make test` installs the test dependenci
 
 def child_env(**extra: str) -> dict[str, str]:
     """The test's environment without launcher variables, so the child detects only what we pass."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("TORCHELASTIC_", "SLURM_", "PET_")) and key not in
-           {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}}  # fmt: skip
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("TORCHELASTIC_", "SLURM_", "PET_"))
+        and key
+        not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
+    }
     paths = [str(REPO), str(REPO / "tests" / "tasks"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env["OMP_NUM_THREADS"] = "1"

@@ -35,7 +35,9 @@ def train(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> 
     cmd = [sys.executable, "-m", "service", "train", "--set", f"run_dir={run_dir}"]
     for override in (*QUICK, "train.max_steps=2", *overrides):
         cmd += ["--set", override]
-    done = subprocess.run(cmd, check=False, cwd=REPO, env=child_env(**(env or {})), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        cmd, check=False, cwd=REPO, env=child_env(**(env or {})), capture_output=True, text=True, timeout=120
+    )
     return done.returncode, done.stdout + done.stderr
 
 
@@ -53,34 +55,90 @@ def read_only_dir(tmp_path: Path, request) -> Path:
 
 # (id, how to provoke it, exit code, substrings that name the value and the fix)
 CASES = [
-    ("config-not-utf8", lambda c, t, r: in_process(c, ["validate", latin1_file(t)]), 2,
-     ["job.yaml", "not UTF-8", "0xe9", "save the file as UTF-8"]),
-    ("lr-inf", lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=.inf"]), 2,
-     ["train.lr", "got inf", "finite number", "such as 0.05"]),
-    ("lr-nan", lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=.nan"]), 2,
-     ["train.lr", "got nan", "finite number"]),
-    ("timeout-1e14", lambda c, t, r: in_process(c, ["validate", "--set", "dist.timeout_seconds=1.0e+14"]), 2,
-     ["dist.timeout_seconds", "100000000000000", "between 1 and 604800"]),
-    ("seed-1e23", lambda c, t, r: in_process(c, ["validate", "--set", "seed=1.0e+23"]), 2,
-     ["seed", "1e+23", "between 0 and 4294967295"]),
-    ("metrics-port-past-65535", lambda c, t, r: in_process(c, ["train", "--set", "metrics.port=65535"], TORCH_PAIR), 2,
-     ["metrics.port=65535", "2 processes", "port 65536", "at most 65534"]),
-    ("task-raises-at-import", lambda c, t, r: train(t, "task=broken_tasks:raises", env={"BROKEN_TASK_AT_IMPORT": "raise"}),
-     1, ["TaskError", "'broken_tasks'", "RuntimeError: the dataset server is unreachable", "Fix the module"]),
-    ("task-exits-at-import", lambda c, t, r: train(t, "task=broken_tasks:raises", env={"BROKEN_TASK_AT_IMPORT": "exit"}),
-     1, ["TaskError", "'broken_tasks'", "sys.exit(3)", "Fix the module"]),
-    ("task-build-raises", lambda c, t, r: train(t, "task=broken_tasks:raises"), 1,
-     ["TaskError", "'broken_tasks:raises'", "KeyError: 'image_size'", "Fix the function"]),
-    ("task-build-exits", lambda c, t, r: train(t, "task=broken_tasks:exits"), 1,
-     ["TaskError", "'broken_tasks:exits'", "sys.exit('no GPU, giving up')"]),
-    ("run-dir-is-a-file", lambda c, t, r: (t.write_text("x"), train(t))[1], 1,
-     ["RunDirError", "is a file, not a directory", "Point run_dir at a directory"]),
-    ("run-dir-read-only", lambda c, t, r: train(read_only_dir(t.parent, r)), 1,
-     ["RunDirError", "Read-only file system", "point run_dir at a", "nothing was trained"]),
-    ("rank-without-world-size", lambda c, t, r: in_process(c, ["train"], {"RANK": "1"}), 2,
-     ["RANK='1'", "WORLD_SIZE is not", "Set WORLD_SIZE too"]),
-    ("slurm-batch-step-without-srun", lambda c, t, r: in_process(c, ["train"], SLURM_BATCH), 2,
-     ["SLURM_NTASKS=4", "SLURM_STEP_ID is not", "batch script", "srun python -m service train"]),
+    (
+        "config-not-utf8",
+        lambda c, t, r: in_process(c, ["validate", latin1_file(t)]),
+        2,
+        ["job.yaml", "not UTF-8", "0xe9", "save the file as UTF-8"],
+    ),
+    (
+        "lr-inf",
+        lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=.inf"]),
+        2,
+        ["train.lr", "got inf", "finite number", "such as 0.05"],
+    ),
+    (
+        "lr-nan",
+        lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=.nan"]),
+        2,
+        ["train.lr", "got nan", "finite number"],
+    ),
+    (
+        "timeout-1e14",
+        lambda c, t, r: in_process(c, ["validate", "--set", "dist.timeout_seconds=1.0e+14"]),
+        2,
+        ["dist.timeout_seconds", "100000000000000", "between 1 and 604800"],
+    ),
+    (
+        "seed-1e23",
+        lambda c, t, r: in_process(c, ["validate", "--set", "seed=1.0e+23"]),
+        2,
+        ["seed", "1e+23", "between 0 and 4294967295"],
+    ),
+    (
+        "metrics-port-past-65535",
+        lambda c, t, r: in_process(c, ["train", "--set", "metrics.port=65535"], TORCH_PAIR),
+        2,
+        ["metrics.port=65535", "2 processes", "port 65536", "at most 65534"],
+    ),
+    (
+        "task-raises-at-import",
+        lambda c, t, r: train(t, "task=broken_tasks:raises", env={"BROKEN_TASK_AT_IMPORT": "raise"}),
+        1,
+        ["TaskError", "'broken_tasks'", "RuntimeError: the dataset server is unreachable", "Fix the module"],
+    ),
+    (
+        "task-exits-at-import",
+        lambda c, t, r: train(t, "task=broken_tasks:raises", env={"BROKEN_TASK_AT_IMPORT": "exit"}),
+        1,
+        ["TaskError", "'broken_tasks'", "sys.exit(3)", "Fix the module"],
+    ),
+    (
+        "task-build-raises",
+        lambda c, t, r: train(t, "task=broken_tasks:raises"),
+        1,
+        ["TaskError", "'broken_tasks:raises'", "KeyError: 'image_size'", "Fix the function"],
+    ),
+    (
+        "task-build-exits",
+        lambda c, t, r: train(t, "task=broken_tasks:exits"),
+        1,
+        ["TaskError", "'broken_tasks:exits'", "sys.exit('no GPU, giving up')"],
+    ),
+    (
+        "run-dir-is-a-file",
+        lambda c, t, r: (t.write_text("x"), train(t))[1],
+        1,
+        ["RunDirError", "is a file, not a directory", "Point run_dir at a directory"],
+    ),
+    (
+        "run-dir-read-only",
+        lambda c, t, r: train(read_only_dir(t.parent, r)),
+        1,
+        ["RunDirError", "Read-only file system", "point run_dir at a", "nothing was trained"],
+    ),
+    (
+        "rank-without-world-size",
+        lambda c, t, r: in_process(c, ["train"], {"RANK": "1"}),
+        2,
+        ["RANK='1'", "WORLD_SIZE is not", "Set WORLD_SIZE too"],
+    ),
+    (
+        "slurm-batch-step-without-srun",
+        lambda c, t, r: in_process(c, ["train"], SLURM_BATCH),
+        2,
+        ["SLURM_NTASKS=4", "SLURM_STEP_ID is not", "batch script", "srun python -m service train"],
+    ),
 ]
 
 

@@ -2,11 +2,14 @@
 
 Each test was watched failing once against its bug, introduced alone into a copy of the repository:
 
-- eval shard ignores the rank / eval totals not all-reduced  → ``test_eval_of_two_ranks_equals_one_rank_on_the_same_weights``
+- eval shard ignores the rank / eval totals not all-reduced
+  → ``test_eval_of_two_ranks_equals_one_rank_on_the_same_weights``
 - the epoch never reaches the sampler (``set_epoch`` analogue)  → ``test_each_epoch_feeds_its_own_permutation``
-- gradients all-reduced on every micro-step (no ``no_sync``)      → ``test_gradient_accumulation_all_reduces_once_per_optimizer_step``
+- gradients all-reduced on every micro-step (no ``no_sync``)
+  → ``test_gradient_accumulation_all_reduces_once_per_optimizer_step``
 - a checkpoint written straight to its final name               → ``test_a_save_killed_mid_write_leaves_no_final_name``
-- the HMAC compared on a prefix only                             → ``test_every_flipped_byte_of_a_signed_state_is_refused``
+- the HMAC compared on a prefix only
+  → ``test_every_flipped_byte_of_a_signed_state_is_refused``
 - batches, not samples, reported to Prometheus                   → ``test_prometheus_counts_samples_of_a_running_job``
 
 Real processes throughout: torchrun jobs, a subprocess killed mid-save, an HTTP scrape of the live workers.
@@ -28,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
 
 # -- a. evaluation: every sample once, all ranks summed ------------------------------------------
@@ -80,7 +82,7 @@ def test_each_epoch_feeds_its_own_permutation(tmp_path: Path) -> None:
             f"train.epochs={epochs}", f"seed={seed}", "data.num_workers=0")  # fmt: skip
     fetched = [int(line) for line in (record / "fetch-rank0.txt").read_text().split()]
     assert len(fetched) == size * epochs, fetched
-    orders = [fetched[e * size:(e + 1) * size] for e in range(epochs)]
+    orders = [fetched[e * size : (e + 1) * size] for e in range(epochs)]
     for epoch, order in enumerate(orders):
         assert sorted(order) == list(range(size)), f"epoch {epoch} did not feed every sample once: {order}"
     # The same order twice means the epoch never reached the sampler (DistributedSampler's set_epoch bug).
@@ -93,7 +95,7 @@ def test_each_epoch_feeds_its_own_permutation(tmp_path: Path) -> None:
 
 # -- c. one gradient all-reduce per optimizer step --------------------------------------------------
 
-_COMM_WORKER = r'''
+_COMM_WORKER = r"""
 import json, os, sys
 
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -131,7 +133,7 @@ with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx
     result = run(config, world, ctx)
 with open(f"{out}.rank{world.rank}", "w") as file:
     json.dump(result, file)
-'''
+"""
 
 
 @pytest.mark.e2e
@@ -229,11 +231,11 @@ def test_a_save_killed_mid_write_leaves_no_final_name(tmp_path: Path) -> None:
 
 def test_every_flipped_byte_of_a_signed_state_is_refused() -> None:
     """Flip each bit-0 of every byte (header, nonce, all 32 MAC bytes, payload): each is refused."""
-    from service.rendezvous.signing import StateCodec, StateIntegrityError
-
     import pickle
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from service.rendezvous.signing import StateCodec, StateIntegrityError
 
     codec, key = StateCodec(b"a-secret-of-at-least-16-chars"), b"/torchelastic/etcd3/run/state"
     real = _RendezvousState()

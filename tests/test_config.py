@@ -7,10 +7,9 @@ import sys
 
 import pytest
 import yaml
+from conftest import REPO, child_env
 
 from service.config import ConfigError, JobConfig, apply_overrides, load_config
-
-from conftest import REPO, child_env
 
 
 def test_defaults_are_a_valid_job():
@@ -75,9 +74,7 @@ def test_unknown_task_name_lists_built_ins():
     assert "task: " in str(info.value) and "digits-classification" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("text", "fragment"), [("- a\n- b\n", "not a mapping"), ("train: [\n", "not valid YAML")]
-)
+@pytest.mark.parametrize(("text", "fragment"), [("- a\n- b\n", "not a mapping"), ("train: [\n", "not valid YAML")])
 def test_bad_files(tmp_path, text, fragment):
     path = tmp_path / "job.yaml"
     path.write_text(text)

@@ -6,9 +6,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from rendezvous.agents import Agent, train_args
 from rendezvous.conftest import free_port
+
 from service.consistency import EXIT_CONFIG_MISMATCH, differences
 
 
@@ -23,8 +23,17 @@ def test_two_nodes_with_different_configs_both_refuse_before_training(tmp_path: 
     """A stale config on one node: two c10d agents, one with another lr; nobody trains a blend."""
     endpoint, run_id, run_dir = f"127.0.0.1:{free_port()}", f"mismatch-{uuid.uuid4().hex[:8]}", tmp_path / "run"
     agents = [
-        Agent(tmp_path / f"{addr}.log", addr, "c10d", endpoint, run_id, "2", 1,
-              train_args(run_dir, 20, "--set", f"train.lr={lr}"), max_restarts=0)  # fmt: skip
+        Agent(
+            tmp_path / f"{addr}.log",
+            addr,
+            "c10d",
+            endpoint,
+            run_id,
+            "2",
+            1,
+            train_args(run_dir, 20, "--set", f"train.lr={lr}"),
+            max_restarts=0,
+        )  # fmt: skip
         for addr, lr in (("127.0.0.2", 0.05), ("127.0.0.3", 0.1))
     ]
     try:

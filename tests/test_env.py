@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, child_env
 
 from service.env import EnvError, WorldInfo, detect_world, expand_hostlist
-
-from conftest import REPO, child_env
 
 TORCHRUN = {
     "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
@@ -34,8 +33,10 @@ PYTORCHJOB = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MA
         # torchrun started by srun: torchrun's variables win.
         ({**SRUN, **TORCHRUN}, WorldInfo("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29500, 2, 3, "job-7", True)),
         (PYTORCHJOB, WorldInfo("pytorchjob", 1, 0, 2, 1, 1, "job-master-0", 23456)),
-        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-         WorldInfo("env", 0, 0, 2, 1, 0, "h", 1)),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            WorldInfo("env", 0, 0, 2, 1, 0, "h", 1),
+        ),
         ({}, WorldInfo("none", master_addr="127.0.0.1")),
         ({"PATH": "/bin"}, WorldInfo("none", master_addr="127.0.0.1")),
     ],

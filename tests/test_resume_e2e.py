@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
 from procs import worker_pids
+
 from service.sampler import permutation
 
 pytestmark = pytest.mark.e2e
@@ -133,8 +133,16 @@ def read_trace(run_dir: Path) -> list[dict]:
 def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp_path):
     """2 processes, SIGTERM mid-epoch; resume with 1, SIGTERM mid-epoch; resume with 3 and finish."""
     length, global_batch, epochs = 120, 12, 2
-    job = (*SLOW, f"task_options.train_size={length}", "train.batch_size=2", f"train.global_batch_size={global_batch}",
-           f"train.epochs={epochs}", "checkpoint.every_steps=4", "data.trace=true", "task_options.sleep=0.02")  # fmt: skip
+    job = (
+        *SLOW,
+        f"task_options.train_size={length}",
+        "train.batch_size=2",
+        f"train.global_batch_size={global_batch}",
+        f"train.epochs={epochs}",
+        "checkpoint.every_steps=4",
+        "data.trace=true",
+        "task_options.sleep=0.02",
+    )
     run_dir = tmp_path / "run"
     first = preempt_agent_at(run_dir, 2, 2, *job)
     second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, "data.num_workers=2")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, child_env, fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
@@ -47,8 +48,6 @@ from service.config import ConfigError, JobConfig, TrainConfig, load_config
 from service.resume import config_hash, incompatible_fields
 from service.sampler import DataPlan, PlanSampler, permutation
 from service.train import LoopState, batch_geometry, plan_total_steps
-
-from conftest import REPO, child_env, fill
 
 HASH = config_hash(JobConfig())
 IO_LOG = "service.checkpoint_io"
@@ -86,9 +85,7 @@ def files(directory: Path) -> list[str]:
 # 1. The data plan
 # --------------------------------------------------------------------------------------------------
 
-segments_strategy = st.lists(
-    st.tuples(st.integers(1, 5), st.integers(1, 12)), min_size=0, max_size=5
-)
+segments_strategy = st.lists(st.tuples(st.integers(1, 5), st.integers(1, 12)), min_size=0, max_size=5)
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

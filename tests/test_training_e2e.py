@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import REPO, final_weights, read_summary, run_job
 
 pytestmark = pytest.mark.e2e

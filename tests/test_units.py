@@ -20,9 +20,9 @@ from service.env import EnvError, WorldInfo
 from service.errors import INPLACE_MARKER, InplaceGradientError, backward
 from service.metrics import PrometheusSink, StepReport
 from service.parallel import wants_sync_batchnorm, wrap_model
+from service.sampler import DataPlan
 from service.summary import JsonSummaryWriter, model_digest
 from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
-from service.sampler import DataPlan
 from service.train import LoopState, batch_geometry, lr_factor, plan_total_steps
 
 
@@ -215,5 +215,5 @@ def unused_tcp_port() -> int:
 
 def test_cosine_reaches_zero_only_at_the_end():
     values = [lr_factor(step, 20, 0, "cosine") for step in range(20)]
-    assert all(a > b for a, b in zip(values, values[1:]))
+    assert all(a > b for a, b in zip(values, values[1:], strict=False))
     assert values[-1] > 0 and math.isclose(lr_factor(20, 20, 0, "cosine"), 0.0, abs_tol=1e-12)

@@ -55,7 +55,9 @@ def load_state(data: bytes, key: str) -> Any:
     try:
         state = _StateUnpickler(io.BytesIO(data)).load()
     except _GARBAGE as exc:
-        raise AdminError(f"The rendezvous state under {key} is not a torch rendezvous state ({exc}); refusing it.")
+        raise AdminError(
+            f"The rendezvous state under {key} is not a torch rendezvous state ({exc}); refusing it."
+        ) from None
     if type(state).__name__ != "_RendezvousState":
         raise AdminError(f"The rendezvous state under {key} holds a {type(state).__name__}, not a rendezvous state.")
     return state
@@ -114,7 +116,7 @@ class Admin:
         found = self._call(lambda c: list(c.get_prefix(base, keys_only=True)), "listing the runs")
         runs: set[str] = set()
         for _, meta in found:
-            rest = meta.key[len(base):].decode("utf-8", errors="replace")
+            rest = meta.key[len(base) :].decode("utf-8", errors="replace")
             for leaf in ("/state", "/lease", "/job"):
                 if rest.endswith(leaf):
                     runs.add(rest[: -len(leaf)])

@@ -100,8 +100,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
             except EtcdError as exc:
                 raise _connection_error(exc) from exc
         raise RendezvousConnectionError(
-            f"Writing the rendezvous state to etcd at {self._client.endpoints} failed "
-            f"{_MAX_ATTEMPTS} times in a row."
+            f"Writing the rendezvous state to etcd at {self._client.endpoints} failed {_MAX_ATTEMPTS} times in a row."
         )
 
     def _compare_and_set(self, blob: bytes, state: bytes, expected: int) -> tuple[bytes, Token, bool] | None:

@@ -246,9 +246,7 @@ class EtcdClient:
             )
             for e in self.options.endpoints
         ]
-        client = pyetcd.MultiEndpointEtcd3Client(
-            endpoints=endpoints, timeout=self.options.read_timeout, failover=True
-        )
+        client = pyetcd.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=self.options.read_timeout, failover=True)
         # pyetcd starts on a random endpoint; start on the first listed, like etcdctl.
         client._current_endpoint_label = endpoints[0].netloc
         return client

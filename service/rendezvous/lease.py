@@ -101,14 +101,16 @@ class RunLease:
         if not 0 < lease_id < 2**63:
             log.warning(
                 "The etcd key '%s' holds %r, which is not a lease id; replacing it with a new lease.",
-                key, text[:64],
+                key,
+                text[:64],
             )
             return None
         if not self._is_alive(lease_id):
             log.warning(
                 "The etcd key '%s' names lease %d, which etcd does not have (expired, revoked, or "
                 "written by hand); replacing it with a new lease.",
-                key, lease_id,
+                key,
+                lease_id,
             )
             return None
         return lease_id

@@ -103,9 +103,7 @@ class RendezvousOptions:
 def parse_endpoints(text: str | None) -> tuple[Endpoint, ...]:
     """Split ``HOST[:PORT][,HOST[:PORT]...]``; an optional ``http://`` is allowed."""
     if not text or not text.strip():
-        raise ValueError(
-            "The rendezvous endpoint must list at least one etcd server as HOST[:PORT]."
-        )
+        raise ValueError("The rendezvous endpoint must list at least one etcd server as HOST[:PORT].")
     endpoints = []
     for raw in text.split(","):
         item = raw.strip()
@@ -118,7 +116,7 @@ def parse_endpoints(text: str | None) -> tuple[Endpoint, ...]:
 def _parse_one_endpoint(item: str) -> Endpoint:
     for scheme in ("http://", "https://"):
         if item.lower().startswith(scheme):
-            item = item[len(scheme):]
+            item = item[len(scheme) :]
     item = item.rstrip("/")
     if item.startswith("["):
         host, sep, rest = item[1:].partition("]")
@@ -135,8 +133,7 @@ def _parse_one_endpoint(item: str) -> Endpoint:
         return Endpoint(host, DEFAULT_PORT)
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(
-            f"The etcd endpoint '{item}' has port '{port_text}', which is not a number "
-            "between 1 and 65535."
+            f"The etcd endpoint '{item}' has port '{port_text}', which is not a number between 1 and 65535."
         )
     return Endpoint(host, int(port_text))
 
@@ -188,13 +185,11 @@ def parse_options(
 def _reject_unknown(config: Mapping[str, Any]) -> None:
     if "password" in config:
         raise ValueError(
-            "The etcd password is never read from the command line; use 'password_file' or "
-            "'password_env' instead."
+            "The etcd password is never read from the command line; use 'password_file' or 'password_env' instead."
         )
     if "secret" in config:
         raise ValueError(
-            "The signing secret is never read from the command line; use 'secret_file' or "
-            "'secret_env' instead."
+            "The signing secret is never read from the command line; use 'secret_file' or 'secret_env' instead."
         )
     unknown = sorted(set(config) - set(KNOWN_OPTIONS))
     if unknown:

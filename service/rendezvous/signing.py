@@ -142,11 +142,9 @@ class StateCodec:
         where = self._where(key)
         header = len(MAGIC) + 1 + _NONCE_BYTES
         if len(blob) < header or not blob.startswith(MAGIC):
-            raise StateIntegrityError(
-                f"The rendezvous state {where} is corrupt: it lacks the etcd3 backend's header."
-            )
-        kind = blob[len(MAGIC):len(MAGIC) + 1]
-        nonce = blob[len(MAGIC) + 1:header]
+            raise StateIntegrityError(f"The rendezvous state {where} is corrupt: it lacks the etcd3 backend's header.")
+        kind = blob[len(MAGIC) : len(MAGIC) + 1]
+        nonce = blob[len(MAGIC) + 1 : header]
         if kind == _UNSIGNED:
             if self._secret is not None:
                 raise StateIntegrityError(
@@ -161,8 +159,8 @@ class StateCodec:
                 f"The rendezvous state {where} is signed, but this agent has no signing secret. "
                 "Give every agent the same 'secret_file' or 'secret_env'."
             )
-        mac = blob[header:header + _MAC_BYTES]
-        state = blob[header + _MAC_BYTES:]
+        mac = blob[header : header + _MAC_BYTES]
+        state = blob[header + _MAC_BYTES :]
         if not hmac.compare_digest(mac, self._mac(self._secret, key, nonce, state)):
             raise StateIntegrityError(
                 f"The rendezvous state {where} fails its HMAC-SHA256 check; it was written "

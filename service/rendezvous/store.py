@@ -51,10 +51,15 @@ class Etcd3Store(dist.Store):
         if timeout is not None:
             self.set_timeout(timeout)
 
+    @property
+    def _store_timeout(self) -> timedelta:
+        """torch's pybind ``Store.timeout`` (what ``set_timeout`` set); its type stubs do not declare it."""
+        return self.timeout  # type: ignore[attr-defined]
+
     # -- torch's Store contract -----------------------------------------------
     def clone(self) -> Etcd3Store:
         """A new store with its own etcd client, on the same keys, lease and timeout."""
-        twin = Etcd3Store(EtcdClient(self._client.options), self._prefix, self._lease, self.timeout)
+        twin = Etcd3Store(EtcdClient(self._client.options), self._prefix, self._lease, self._store_timeout)
         twin._owns_client = True
         self._clones.append(twin)
         return twin
@@ -81,7 +86,7 @@ class Etcd3Store(dist.Store):
         tx = self._client.raw.transactions
 
         def write(lease_id: int) -> None:
-            puts = [tx.put(self._k(k), _as_bytes(v), lease=lease_id) for k, v in zip(keys, values)]
+            puts = [tx.put(self._k(k), _as_bytes(v), lease=lease_id) for k, v in zip(keys, values, strict=True)]
             self._call(lambda c: c.transaction(compare=[], success=puts, failure=[]), "multi_set")
 
         self._with_lease(write)
@@ -104,15 +109,15 @@ class Etcd3Store(dist.Store):
     # -- reads ----------------------------------------------------------------
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to appear."""
-        return self._wait_for([key], self.timeout)[0]
+        return self._wait_for([key], self._store_timeout)[0]
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting until all exist."""
-        return self._wait_for(list(keys), self.timeout)
+        return self._wait_for(list(keys), self._store_timeout)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until all ``keys`` exist or the timeout passes (``DistStoreError``)."""
-        self._wait_for(list(keys), self.timeout if timeout is None else timeout)
+        self._wait_for(list(keys), self._store_timeout if timeout is None else timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether all ``keys`` exist now, without waiting."""
@@ -168,7 +173,7 @@ class Etcd3Store(dist.Store):
                 return values  # type: ignore[return-value]
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [k for k, v in zip(keys, values) if v is None]
+                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
                 raise dist.DistStoreError(
                     f"Timed out: the timeout of {timeout.total_seconds():g} s passed while waiting for "
                     f"the key(s) {missing} in the etcd3 store."
@@ -185,11 +190,8 @@ class Etcd3Store(dist.Store):
             compare = tx.create(k) == 0 if value is None else tx.mod(k) == meta.mod_revision
             new = str(current + amount).encode()
             try:
-                won, _ = self._call(
-                    lambda c: c.transaction(compare=[compare], success=[tx.put(k, new, lease=lease_id)], failure=[]),
-                    "add",
-                    retry=False,
-                )
+                request = {"compare": [compare], "success": [tx.put(k, new, lease=lease_id)], "failure": []}
+                won, _ = self._call(lambda c, request=request: c.transaction(**request), "add", retry=False)
             except EtcdUncertainError:
                 # Retry only when the key is provably unchanged; else the add may have landed.
                 after, after_meta = self._call(lambda c: c.get(k), "add")
@@ -209,12 +211,8 @@ class Etcd3Store(dist.Store):
         k = self._k(key)
         while True:
             compare = tx.create(k) == 0 if expected == b"" else tx.value(k) == expected
-            won, responses = self._call(
-                lambda c: c.transaction(
-                    compare=[compare], success=[tx.put(k, desired, lease=lease_id)], failure=[tx.get(k)]
-                ),
-                "compare_set",
-            )
+            request = {"compare": [compare], "success": [tx.put(k, desired, lease=lease_id)], "failure": [tx.get(k)]}
+            won, responses = self._call(lambda c, request=request: c.transaction(**request), "compare_set")
             if won:
                 return desired
             if responses[0]:

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from procs import kill_tree
 
+REPO = Path(__file__).resolve().parents[2]
+# The service and the test tasks (tests/tasks: slow_tasks, probe_tasks, ...) importable in every agent and worker.
+PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests" / "tasks"), os.environ.get("PYTHONPATH", "")]))
+
 _TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 # A training step: the service's "step 5/30 epoch 0 loss ..." or bench/rendezvous.py's "step 5". Not the
 # other lines that name a step ("resuming from ... (step 5", "eval epoch 0 step 8", "preempted: ... step 5").
@@ -33,14 +37,22 @@ SAVED_LINE = re.compile(r"\[rank 0\] INFO checkpoint saved: \S*step-(\d{8})\.pt"
 def train_args(run_dir: Path, max_steps: int, *extra: str) -> list[str]:
     """The foundation's worker command, tiny and fast."""
     return [
-        "-m", "service", "train",
-        "--set", f"run_dir={run_dir}",
-        "--set", f"train.max_steps={max_steps}",
-        "--set", "train.epochs=1000",
-        "--set", "train.log_every=1",
+        "-m",
+        "service",
+        "train",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        f"train.max_steps={max_steps}",
+        "--set",
+        "train.epochs=1000",
+        "--set",
+        "train.log_every=1",
         # One line per record: tqdm's carriage returns would glue the bar to the next log line.
-        "--set", "train.progress_bar=false",
-        "--set", "metrics.tensorboard=false",
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "metrics.tensorboard=false",
         *extra,
     ]
 
@@ -82,14 +94,21 @@ class Agent:
         # so a test can add a node at a precise moment without paying for interpreter start-up.
         launcher = ["-c", _GATED, str(gate)] if gate is not None else ["-m", "torch.distributed.run"]
         args = [
-            sys.executable, *launcher,
-            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--local-addr={local_addr}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+            sys.executable,
+            *launcher,
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--local-addr={local_addr}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
         ]
         if rdzv_conf:
             args.append(f"--rdzv-conf={rdzv_conf}")
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO", **(env or {}))
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO", PYTHONPATH=PYTHONPATH)
+        full_env.update(env or {})
         self.started = time.time()
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -105,7 +124,9 @@ class Agent:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"The agent on {self.local_addr} ran past {timeout} s:\n{self.log()[-4000:]}")
+            raise AssertionError(
+                f"The agent on {self.local_addr} ran past {timeout} s:\n{self.log()[-4000:]}"
+            ) from None
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         """Wait for a regex in the log; fail if the agent exits or the time runs out."""
@@ -137,7 +158,7 @@ class Agent:
         text = self.log()
         if after is not None:
             marks = list(after.finditer(text))
-            text = text[marks[-1].end():] if marks else ""
+            text = text[marks[-1].end() :] if marks else ""
         return [
             (datetime.strptime(ts, "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(rank), int(step))
             for ts, rank, step in STEP_LINE.findall(text)

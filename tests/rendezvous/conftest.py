@@ -14,12 +14,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import require_tool  # tests/conftest.py: one CI-aware skip rule
+
+from .agents import Agent
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,10 +87,23 @@ class EtcdMember:
     def start(self) -> None:
         client_url = f"{self.scheme}://127.0.0.1:{self.client_port}"
         args = [
-            self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-            "--heartbeat-interval", "50", "--election-timeout", "500",
+            self.binary,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
             *(self.cluster_args or ["--initial-cluster", f"{self.name}={self.peer_url}"]),
             *self.extra,
         ]
@@ -168,8 +184,13 @@ def start_single(
     """One etcd member; with ``tls`` it serves clients over https and requires client certificates."""
     if tls is not None:
         extra = [
-            "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
-            "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
+            "--cert-file",
+            str(tls.server_cert),
+            "--key-file",
+            str(tls.server_key),
+            "--trusted-ca-file",
+            str(tls.ca),
+            "--client-cert-auth",
             *(extra or []),
         ]
     member = EtcdMember(binary, workdir, name, extra)
@@ -206,9 +227,7 @@ class TlsFiles:
 
 
 def _openssl(openssl: str, workdir: Path, *args: str) -> None:
-    done = subprocess.run(
-        [openssl, *args], cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30
-    )
+    done = subprocess.run([openssl, *args], cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stdout.decode(errors='replace')[-2000:]}")
 
@@ -218,19 +237,63 @@ _EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"
 
 def _make_ca(openssl: str, workdir: Path, name: str) -> tuple[Path, Path]:
     _openssl(
-        openssl, workdir, "req", "-x509", *_EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem",
-        "-days", "2", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        openssl,
+        workdir,
+        "req",
+        "-x509",
+        *_EC_KEY,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
     )
     return workdir / f"{name}.pem", workdir / f"{name}.key"
 
 
-def _make_leaf(openssl: str, workdir: Path, name: str, ca: tuple[Path, Path], serial: int, extensions: str) -> tuple[Path, Path]:
+def _make_leaf(
+    openssl: str, workdir: Path, name: str, ca: tuple[Path, Path], serial: int, extensions: str
+) -> tuple[Path, Path]:
     (workdir / f"{name}.ext").write_text(extensions)
-    _openssl(openssl, workdir, "req", "-new", *_EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
     _openssl(
-        openssl, workdir, "x509", "-req", "-in", f"{name}.csr", "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-        "-set_serial", str(serial), "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext",
+        openssl,
+        workdir,
+        "req",
+        "-new",
+        *_EC_KEY,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+    )
+    _openssl(
+        openssl,
+        workdir,
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-set_serial",
+        str(serial),
+        "-days",
+        "2",
+        "-out",
+        f"{name}.pem",
+        "-extfile",
+        f"{name}.ext",
     )
     return workdir / f"{name}.pem", workdir / f"{name}.key"
 
@@ -241,7 +304,11 @@ def make_tls_files(openssl: str, workdir: Path) -> TlsFiles:
     ca = _make_ca(openssl, workdir, "ca")
     other_ca, _ = _make_ca(openssl, workdir, "other-ca")
     server = _make_leaf(
-        openssl, workdir, "server", ca, 1001,
+        openssl,
+        workdir,
+        "server",
+        ca,
+        1001,
         "subjectAltName=IP:127.0.0.1\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
     )
     client = _make_leaf(
@@ -255,7 +322,11 @@ def etcdctl(endpoint: str, *args: str, timeout: float = 20) -> str:
     binary = Path(sys.executable).parent / "etcdctl"
     command = [str(binary) if binary.is_file() else "etcdctl", f"--endpoints={endpoint}", "--dial-timeout=2s", *args]
     done = subprocess.run(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, env=dict(os.environ, ETCDCTL_API="3")
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        env=dict(os.environ, ETCDCTL_API="3"),
     )
     output = done.stdout.decode(errors="replace")
     if done.returncode != 0:
@@ -308,3 +379,23 @@ def etcd_cluster(etcd_binary: str, tmp_path: Path) -> Iterator[EtcdCluster]:
 @pytest.fixture
 def run_id() -> str:
     return "test-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def agents(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Agent]]:
+    """Starts torchrun agents ("nodes") on the etcd3 backend; every one is killed, with its workers, on teardown.
+
+    ``agents(addr, endpoint, nnodes, nproc, script, run=..., **Agent options)``; ``run`` defaults to the test's run id.
+    """
+    started: list[Agent] = []
+
+    def start(addr: str, endpoint: str, nnodes: str, nproc: int, script: list[str], run: str | None = None,
+              **kw: Any) -> Agent:  # fmt: skip
+        log = tmp_path / f"agent-{addr}-{len(started)}.log"
+        agent = Agent(log, addr, "etcd3", endpoint, run or run_id, nnodes, nproc, script, **kw)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill()

@@ -162,11 +162,16 @@ def test_concurrent_writers_exactly_one_wins_per_token(kit: Kit) -> None:
         results: list[bool] = []
         barrier = threading.Barrier(len(writers))
 
-        def write(i: int, backend: Any) -> None:
+        def write(
+            i: int, backend: Any, barrier: threading.Barrier, results: list[bool], round_no: int, token: Any
+        ) -> None:
             barrier.wait(timeout=10)
             results.append(backend.set_state(S(f"round-{round_no}-writer-{i}"), token)[2])
 
-        threads = [threading.Thread(target=write, args=(i, b)) for i, b in enumerate(writers)]
+        threads = [
+            threading.Thread(target=write, args=(i, b, barrier, results, round_no, token))
+            for i, b in enumerate(writers)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -9,11 +9,10 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from procs import worker_pids
 
 from .agents import (
@@ -34,20 +33,6 @@ SMOKE = [str(REPO / "tests" / "scripts" / "allreduce_smoke.py")]
 AgentFactory = Callable[..., Agent]
 
 
-@pytest.fixture
-def agents(tmp_path: Path, run_id: str) -> Iterator[AgentFactory]:
-    started: list[Agent] = []
-
-    def start(addr: str, endpoint: str, nnodes: str, nproc: int, script: list[str], **kw) -> Agent:
-        agent = Agent(tmp_path / f"agent-{addr}-{len(started)}.log", addr, "etcd3", endpoint, run_id, nnodes, nproc, script, **kw)
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill()
-
-
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -56,17 +41,19 @@ def fixed_batch(global_batch: int, batch_size: int, train_size: int, every_steps
     """Overrides for a global batch kept under resizes (global_batch must divide by world x batch_size
     for each world size the test runs at), a small training set, and periodic saves (0: none)."""
     return [
-        "--set", f"train.global_batch_size={global_batch}",
-        "--set", f"train.batch_size={batch_size}",
-        "--set", f"task_options.train_size={train_size}",
-        "--set", f"checkpoint.every_steps={every_steps}",
+        "--set",
+        f"train.global_batch_size={global_batch}",
+        "--set",
+        f"train.batch_size={batch_size}",
+        "--set",
+        f"task_options.train_size={train_size}",
+        "--set",
+        f"checkpoint.every_steps={every_steps}",
     ]
 
 
 # tests/tasks/slow_tasks.py: the shapes task sleeping ``sleep`` seconds per training micro-step. A world of one
 # rank trains the plain task at ~70 steps/s here, too fast to add a node before it finishes.
-SLOW_TASK_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests" / "tasks"),
-                                                             os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
 
 
 def slow_task(sleep: float) -> list[str]:
@@ -101,7 +88,9 @@ def test_f_plain_script_runs_on_etcd3(etcd_server: EtcdMember, agents: AgentFact
     assert logs.count("world=2 sum=3 expected=3 ok=True") == 2, logs[-3000:]
 
 
-def test_a_two_agents_two_procs_make_a_world_of_four(etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:
+def test_a_two_agents_two_procs_make_a_world_of_four(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 3)
     a = agents("127.0.0.2", etcd_server.endpoint, "2", 2, job)
@@ -153,8 +142,10 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 31)), logs(survivor)
     recovery = recovery_seconds(survivor, killed_at)
     assert recovery is not None
-    print(f"recovery after losing the rank-0 node: {recovery:.2f} s, resumed at step {resumed['step']} "
-          f"of {max(trained)} trained")
+    print(
+        f"recovery after losing the rank-0 node: {recovery:.2f} s, resumed at step {resumed['step']} "
+        f"of {max(trained)} trained"
+    )
     assert recovery < 12  # about 5 s on an idle machine; bench/rendezvous.py measures it
 
 
@@ -224,9 +215,9 @@ def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
     # 8 samples a step: 2 micro-steps of 4 on one rank (0.1 s of sleep), then 1 on each of 2.
     job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240), *slow_task(0.05))
     gate = tmp_path / "go"
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate, env=SLOW_TASK_ENV)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate)
     b.wait_for("gated agent ready", 60)
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, env=SLOW_TASK_ENV)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
     a.wait_for(r"\[rank 0\] INFO step 5/", 120)
     gate.touch()  # the second node arrives while the world of 1 trains
     for agent in (a, b):
@@ -310,7 +301,7 @@ def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
     assert resumed["file"].endswith(f"step-{step:08d}.pt")
     assert resumed_steps(survivor) == [step] and resumed_steps(victim) == [], logs(victim, survivor)
     # 0 steps lost: the world of 1 trained exactly the steps after the checkpoint.
-    assert rank_steps([survivor])[-(max_steps - step):] == list(range(step + 1, max_steps + 1))
+    assert rank_steps([survivor])[-(max_steps - step) :] == list(range(step + 1, max_steps + 1))
     assert steps_trained_twice((a, b)) == {}, logs(a, b)
     assert sorted(rank_steps((a, b))) == list(range(1, max_steps + 1))
     print(f"{signalled} signalled: stopped at step {step}; the survivor resumed there and finished alone")

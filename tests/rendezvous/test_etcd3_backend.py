@@ -125,7 +125,9 @@ def test_signed_state_round_trips(etcd_server: EtcdMember, run_id: str) -> None:
 def test_tampered_state_is_refused(etcd_server: EtcdMember, run_id: str, tmp_path: Path, attack: str) -> None:
     env = {"S": SECRET, "OTHER": "another secret, 16+ chars"}
     victim = parts_for(etcd_server.endpoint, run_id, env, secret_env="S")
-    attacker = parts_for(etcd_server.endpoint, run_id, env, **({"secret_env": "OTHER"} if attack == "other-secret" else {}))
+    attacker = parts_for(
+        etcd_server.endpoint, run_id, env, **({"secret_env": "OTHER"} if attack == "other-secret" else {})
+    )
     try:
         victim.backend.set_state(S("honest state"))
         raw, _ = victim.client.call(lambda c: c.get(victim.backend.key), "read")
@@ -133,7 +135,7 @@ def test_tampered_state_is_refused(etcd_server: EtcdMember, run_id: str, tmp_pat
             forged = raw[:-1] + bytes([raw[-1] ^ 1])
         elif attack in ("flip-mac-byte", "flip-last-mac-byte"):
             at = len(raw) - len(S("honest state")) - (32 if attack == "flip-mac-byte" else 1)
-            forged = raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:]
+            forged = raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1 :]
         else:
             forged = attacker.backend._codec.encode(S("evil state"), victim.backend.key)
         attacker.client.call(lambda c: c.put(victim.backend.key, forged), "forging")
@@ -205,7 +207,9 @@ def test_crafted_pickle_in_etcd_runs_nothing(
     payload = pickle.dumps(_Shell(f"touch {marker}"))
     conf = {"secret_env": "S"} if signed else {}
     monkeypatch.setenv("S", SECRET)
-    handler = build_handler(RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", **conf))
+    handler = build_handler(
+        RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", **conf)
+    )
     key = run_key("/torchelastic/etcd3", run_id, "state")
     if form == "bare-pickle":
         blob = payload

@@ -17,27 +17,11 @@ from pathlib import Path
 import pytest
 
 from .agents import RESTART_MARK, Agent, train_args
-from .conftest import REPO, EtcdCluster, etcdctl, wait_healthy
+from .conftest import EtcdCluster, etcdctl, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
 AgentFactory = Callable[..., Agent]
-SLOW_ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'tasks'}"}
-
-
-@pytest.fixture
-def agents(tmp_path: Path, run_id: str) -> Iterator[AgentFactory]:
-    started: list[Agent] = []
-
-    def start(addr: str, endpoint: str, nnodes: str, nproc: int, script: list[str], **kw) -> Agent:
-        agent = Agent(tmp_path / f"agent-{addr}-{len(started)}.log", addr, "etcd3", endpoint, kw.pop("run", run_id),
-                      nnodes, nproc, script, env=SLOW_ENV, **kw)  # fmt: skip
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill()
 
 
 def slow_job(run_dir: Path, max_steps: int, sleep: float, *extra: str) -> list[str]:
@@ -81,7 +65,9 @@ def make_leader(cluster: EtcdCluster, index: int) -> None:
     """Move the raft leadership to member ``index`` (the member the agents talk to first)."""
     current = leader_index(cluster)
     if current != index:
-        target = next(e["id"] for e in member_status(cluster) if e["endpoint"].endswith(cluster.members[index].endpoint))
+        target = next(
+            e["id"] for e in member_status(cluster) if e["endpoint"].endswith(cluster.members[index].endpoint)
+        )
         etcdctl(cluster.members[current].endpoint, "move-leader", format(target, "x"))
     deadline = time.monotonic() + 15
     while leader_index(cluster) != index:
@@ -148,7 +134,10 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
     while len(exit_codes) < 2 and time.monotonic() - lost_at < GRACE + 30:
         for agent in (a, b):
             if agent.local_addr not in exit_codes and agent.proc.poll() is not None:
-                exit_codes[agent.local_addr], ended[agent.local_addr] = agent.proc.returncode, time.monotonic() - lost_at
+                exit_codes[agent.local_addr], ended[agent.local_addr] = (
+                    agent.proc.returncode,
+                    time.monotonic() - lost_at,
+                )
         time.sleep(0.1)
     assert len(exit_codes) == 2, f"an agent still runs {GRACE + 30} s after quorum was lost:\n{logs(a, b)}"
     assert all(code != 0 for code in exit_codes.values()), (exit_codes, logs(a, b))
@@ -160,7 +149,9 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
     for agent in (a, b):
         assert message.search(agent.log()), f"no clear error from {agent.local_addr}:\n{agent.log()[-4000:]}"
     stopped = summary(run_dir)["global_step"] if (run_dir / "summary.json").exists() else None
-    print(f"agents ended {ended} s after quorum loss (grace {GRACE} s); exit codes {exit_codes}; summary step {stopped}")
+    print(
+        f"agents ended {ended} s after quorum loss (grace {GRACE} s); exit codes {exit_codes}; summary step {stopped}"
+    )
 
     assert stopped is None or stopped < steps, f"the job finished before quorum was lost: step {stopped}"
 
@@ -313,8 +304,23 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
     try:
         etcdctl_bin = str(Path(sys.executable).parent / "etcdctl")
         deadline = time.monotonic() + 20
-        while subprocess.run(["ip", "netns", "exec", netns.e, etcdctl_bin, f"--endpoints={etcd_url}",
-                              "--dial-timeout=1s", "endpoint", "health"], capture_output=True).returncode != 0:  # fmt: skip
+        while (
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns.e,
+                    etcdctl_bin,
+                    f"--endpoints={etcd_url}",
+                    "--dial-timeout=1s",
+                    "endpoint",
+                    "health",
+                ],
+                capture_output=True,
+            ).returncode
+            != 0
+        ):
             assert time.monotonic() < deadline and etcd.poll() is None, (tmp_path / "etcd.log").read_text()[-3000:]
             time.sleep(0.2)
         run_dir, steps = tmp_path / "run", 120
@@ -324,16 +330,23 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
             monkeypatch.setattr(sys, "executable", _in_netns(tmp_path, ns, sys.executable.__str__()))
             # gloo finds its address through the host name, which resolves outside the namespaces: name the device.
             started.append(Agent(tmp_path / f"agent-{addr}.log", addr, "etcd3", endpoint, run_id, "2", 1, job,
-                                 env={**SLOW_ENV, "GLOO_SOCKET_IFNAME": dev}))  # fmt: skip
+                                 env={"GLOO_SOCKET_IFNAME": dev}))  # fmt: skip
             monkeypatch.undo()
         a, b = started
         a.wait_for(r"\[rank [01]\].*\bstep 5\b", 60)
         netns.partition()
         cut = time.monotonic()
-        probe = [etcdctl_bin, f"--endpoints={endpoint}", "--dial-timeout=1s", "--command-timeout=2s", "endpoint", "health"]
-        assert subprocess.run(["ip", "netns", "exec", netns.a, *probe], capture_output=True, timeout=20).returncode != 0, (
-            "etcd is still reachable from agent A's namespace during the partition"
-        )
+        probe = [
+            etcdctl_bin,
+            f"--endpoints={endpoint}",
+            "--dial-timeout=1s",
+            "--command-timeout=2s",
+            "endpoint",
+            "health",
+        ]
+        assert (
+            subprocess.run(["ip", "netns", "exec", netns.a, *probe], capture_output=True, timeout=20).returncode != 0
+        ), "etcd is still reachable from agent A's namespace during the partition"
         assert subprocess.run(["ip", "netns", "exec", netns.e, *probe], capture_output=True, timeout=20).returncode == 0
         events = []
         while time.monotonic() - cut < PARTITION_SECONDS:
@@ -346,9 +359,11 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         codes = [agent.wait(180) for agent in (a, b)]
         result = summary(run_dir) if (run_dir / "summary.json").exists() else {}
         restarted = [agent.local_addr for agent in (a, b) if RESTART_MARK.search(agent.log())]
-        print(f"\npartition {PARTITION_SECONDS} s from step 5; step at heal {steps_at_heal}; exits during the cut "
-              f"{events}; exit codes {codes}; restarted groups {restarted}; summary "
-              f"{ {k: result.get(k) for k in ('status', 'global_step', 'restarts', 'world_size')} }")
+        print(
+            f"\npartition {PARTITION_SECONDS} s from step 5; step at heal {steps_at_heal}; exits during the cut "
+            f"{events}; exit codes {codes}; restarted groups {restarted}; summary "
+            f"{ {k: result.get(k) for k in ('status', 'global_step', 'restarts', 'world_size')} }"
+        )
         for agent in (a, b):
             warnings = re.findall(r"^(?:[WE]\d{4} .*|.*(?:WARNING|ERROR).*)$", agent.log(), re.M)
             print(f"--- {agent.local_addr}: {len(warnings)} warning/error lines; first ones:")

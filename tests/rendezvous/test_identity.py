@@ -12,9 +12,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -157,21 +156,6 @@ def test_heartbeat_write_notices_a_deleted_run(etcd_server: EtcdMember, run_id: 
 AgentFactory = Callable[..., Agent]
 
 
-@pytest.fixture
-def agents(tmp_path: Path, run_id: str) -> Iterator[AgentFactory]:
-    started: list[Agent] = []
-
-    def start(addr: str, endpoint: str, nnodes: str, script: list[str], **kw: Any) -> Agent:
-        log = tmp_path / f"agent-{addr}-{len(started)}.log"
-        agent = Agent(log, addr, "etcd3", endpoint, run_id, nnodes, 1, script, **kw)
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill()
-
-
 def idle_script(tmp_path: Path) -> Path:
     path = tmp_path / "idle_worker.py"
     path.write_text(IDLE_WORKER)
@@ -182,9 +166,9 @@ def idle_script(tmp_path: Path) -> Path:
 def test_second_job_with_the_same_run_id_is_refused_and_the_first_carries_on(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", [str(idle_script(tmp_path)), "12"])
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, [str(idle_script(tmp_path)), "12"])
     a.wait_for(r"idle worker pid=\d+ rank=0 world=1", timeout=90)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", [SMOKE])
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, [SMOKE])
     assert b.wait(timeout=90) != 0
     refusal = b.log()
     assert "JobMismatchError" in refusal and f"run id '{run_id}' already belongs to another job" in refusal
@@ -203,7 +187,7 @@ def test_second_job_with_the_same_run_id_is_refused_and_the_first_carries_on(
 def test_agent_stops_its_workers_when_its_run_vanishes(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str, how: str
 ) -> None:
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", [str(idle_script(tmp_path)), "300"])
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, [str(idle_script(tmp_path)), "300"])
     worker = int(a.wait_for(r"idle worker pid=(\d+) rank=0 world=1", timeout=90).group(1))
     assert _alive(worker)
     if how == "revoke-lease":

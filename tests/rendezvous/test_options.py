@@ -139,7 +139,11 @@ BAD_NUMBERS = [
     ("keep_alive_interval", "0.001", "'keep_alive_interval' is 0.001, outside its allowed range of 0.1 to 3600"),
     ("keep_alive_interval", "4000", "'keep_alive_interval' is 4000, outside"),
     ("keep_alive_max_attempt", "2", "'keep_alive_max_attempt' must be at least 3"),
-    ("keep_alive_max_attempt", "5000", "'keep_alive_max_attempt' is 5000, outside its allowed range of 3 to 1000 attempts"),
+    (
+        "keep_alive_max_attempt",
+        "5000",
+        "'keep_alive_max_attempt' is 5000, outside its allowed range of 3 to 1000 attempts",
+    ),
 ]
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from .conftest import EtcdMember, REPO
+from .conftest import REPO, EtcdMember
 
 
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -19,7 +19,10 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def test_plugin_module_imports_nothing_of_torch() -> None:
-    done = run_python("import sys, service.rendezvous.plugin as p; p.entrypoint(); print(sorted(m for m in sys.modules if m.startswith('torch'))[:3])")
+    done = run_python(
+        "import sys, service.rendezvous.plugin as p; p.entrypoint(); "
+        "print(sorted(m for m in sys.modules if m.startswith('torch'))[:3])"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -52,6 +55,8 @@ def test_handler_turns_off_the_shared_tcp_store_by_default(etcd_server: EtcdMemb
 
 
 def test_an_explicit_user_setting_wins(etcd_server: EtcdMember) -> None:
-    done = run_python(CREATE.format(endpoint=etcd_server.endpoint, tag="user"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    done = run_python(
+        CREATE.format(endpoint=etcd_server.endpoint, tag="user"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[1:3] == [True, "0"]

@@ -97,7 +97,11 @@ def make_parts(run_id: str) -> Iterator[PartsFactory]:
 
     def build(endpoint: str, conf: str) -> Etcd3Parts:
         params = RendezvousParameters(
-            backend="etcd3", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
+            backend="etcd3",
+            endpoint=endpoint,
+            run_id=run_id,
+            min_nodes=1,
+            max_nodes=1,
             **_parse_rendezvous_config(conf),
         )
         parts = build_parts(params)
@@ -172,8 +176,10 @@ def test_tls_misconfiguration_fails_fast_with_connection_error(
         "no client certificate": f"{tls_conf(tls.ca, tls, with_client_cert=False)},{FAST}",
     }[case]
     message = assert_fails_fast(
-        lambda: make_parts(etcd_tls.endpoint, conf), RendezvousConnectionError,
-        f"etcd at {etcd_tls.endpoint} is unreachable", "TLS options",
+        lambda: make_parts(etcd_tls.endpoint, conf),
+        RendezvousConnectionError,
+        f"etcd at {etcd_tls.endpoint} is unreachable",
+        "TLS options",
     )
     # gRPC's reason survives pyetcd's generic "etcd connection failed".
     assert reason in message, message
@@ -194,8 +200,16 @@ def test_tls_file_that_is_not_pem_is_refused_at_start(
 def test_torchrun_smoke_script_over_tls(etcd_tls: EtcdMember, tls: TlsFiles, tmp_path: Path, run_id: str) -> None:
     """One real torchrun agent, --rdzv-backend=etcd3 with --rdzv-conf=cacert=...,cert=...,key=..."""
     agent = Agent(
-        tmp_path / "agent.log", "127.0.0.2", "etcd3", etcd_tls.endpoint, run_id, "1", 1,
-        [str(REPO / "tests" / "scripts" / "allreduce_smoke.py")], max_restarts=0, rdzv_conf=tls_conf(tls.ca, tls),
+        tmp_path / "agent.log",
+        "127.0.0.2",
+        "etcd3",
+        etcd_tls.endpoint,
+        run_id,
+        "1",
+        1,
+        [str(REPO / "tests" / "scripts" / "allreduce_smoke.py")],
+        max_restarts=0,
+        rdzv_conf=tls_conf(tls.ca, tls),
     )
     try:
         rc = agent.wait(60)
@@ -223,9 +237,7 @@ def test_auth_password_env_works(
     assert_round_trip(parts)
 
 
-def test_auth_wrong_password_names_the_user(
-    etcd_auth: EtcdMember, make_parts: PartsFactory, tmp_path: Path
-) -> None:
+def test_auth_wrong_password_names_the_user(etcd_auth: EtcdMember, make_parts: PartsFactory, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-password")
     message = assert_fails_fast(
@@ -239,7 +251,10 @@ def test_auth_wrong_password_names_the_user(
 
 def test_auth_without_user_is_refused_clearly(etcd_auth: EtcdMember, make_parts: PartsFactory) -> None:
     assert_fails_fast(
-        lambda: make_parts(etcd_auth.endpoint, FAST), RendezvousConnectionError, etcd_auth.endpoint, "user name is empty"
+        lambda: make_parts(etcd_auth.endpoint, FAST),
+        RendezvousConnectionError,
+        etcd_auth.endpoint,
+        "user name is empty",
     )
 
 
@@ -247,16 +262,16 @@ def test_auth_prefix_without_permission_is_refused(
     etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory
 ) -> None:
     assert_fails_fast(
-        lambda: make_parts(etcd_auth.endpoint, f"user={USER},password_file={password_file},key_prefix=/elsewhere,{FAST}"),
+        lambda: make_parts(
+            etcd_auth.endpoint, f"user={USER},password_file={password_file},key_prefix=/elsewhere,{FAST}"
+        ),
         RendezvousConnectionError,
         "PERMISSION_DENIED",
         "permissions on the key prefix",
     )
 
 
-def test_auth_expired_token_logs_in_again(
-    etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory
-) -> None:
+def test_auth_expired_token_logs_in_again(etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory) -> None:
     parts = make_parts(etcd_auth.endpoint, f"user={USER},password_file={password_file}")
     _, token, _ = parts.backend.set_state(S("before"))
     first_login = parts.client.raw.metadata
@@ -271,8 +286,16 @@ def test_worker_never_sees_the_password_or_the_secret(etcd_auth: EtcdMember, tmp
     secret = "rdzv-secret-" + uuid.uuid4().hex
     env = {"DDP_TEST_ETCD_PW": PASSWORD, "DDP_TEST_RDZV_SECRET": secret}
     agent = Agent(
-        tmp_path / "agent.log", "127.0.0.2", "etcd3", etcd_auth.endpoint, run_id, "1", 1,
-        [str(REPO / "tests" / "scripts" / "print_env.py")], max_restarts=0, env=env,
+        tmp_path / "agent.log",
+        "127.0.0.2",
+        "etcd3",
+        etcd_auth.endpoint,
+        run_id,
+        "1",
+        1,
+        [str(REPO / "tests" / "scripts" / "print_env.py")],
+        max_restarts=0,
+        env=env,
         rdzv_conf=f"user={USER},password_env=DDP_TEST_ETCD_PW,secret_env=DDP_TEST_RDZV_SECRET",
     )
     try:

@@ -96,7 +96,11 @@ def test_gloo_world_of_two_on_the_store_with_new_group_and_a_clone(etcd_server: 
     procs = [
         subprocess.Popen(
             [sys.executable, script, etcd_server.endpoint, run_id, str(rank), "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
         for rank in range(2)
     ]

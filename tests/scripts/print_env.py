@@ -10,9 +10,12 @@ import json
 import os
 
 print(
-    "worker-env " + json.dumps({
-        "names": sorted(os.environ),
-        "value_hashes": sorted({hashlib.sha256(v.encode()).hexdigest() for v in os.environ.values()}),
-    }),
+    "worker-env "
+    + json.dumps(
+        {
+            "names": sorted(os.environ),
+            "value_hashes": sorted({hashlib.sha256(v.encode()).hexdigest() for v in os.environ.values()}),
+        }
+    ),
     flush=True,
 )
