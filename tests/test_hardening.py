@@ -206,7 +206,11 @@ def test_workers_of_a_sigkilled_agent_stop_free_their_ports_and_save_nothing_mor
     print(f"workers gone {took:.2f} s after the agent")
     for local_rank in (0, 1):
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", port + local_rank))  # free again
+            # Nobody listens there any more. SO_REUSEADDR, as the metrics server itself binds: the job's own
+            # gloo connections may have left a TIME_WAIT on that port number, which is no listener.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port + local_rank))
+            sock.listen()
     time.sleep(1.0)
     created = [json.loads(path.read_text())["created"] for path in (run_dir / "checkpoints").glob("step-*.json")]
     assert created and max(created) < killed_at + 0.5  # nothing saved after the agent was gone
