@@ -204,13 +204,21 @@ def test_workers_of_a_sigkilled_agent_stop_free_their_ports_and_save_nothing_mor
     finally:
         kill_group(proc)
     print(f"workers gone {took:.2f} s after the agent")
+    # Nobody listens there within a few seconds. A worker SIGKILLed inside fsync (a checkpoint every step here)
+    # keeps its descriptors until the call returns, so poll. SO_REUSEADDR, as the metrics server binds: the
+    # job's own connections may have left a TIME_WAIT on that port number, which is no listener.
     for local_rank in (0, 1):
-        with socket.socket() as sock:
-            # Nobody listens there any more. SO_REUSEADDR, as the metrics server itself binds: the job's own
-            # gloo connections may have left a TIME_WAIT on that port number, which is no listener.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port + local_rank))
-            sock.listen()
+        deadline = time.monotonic() + 5
+        while True:
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(("127.0.0.1", port + local_rank))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+            time.sleep(0.1)
     time.sleep(1.0)
     created = [json.loads(path.read_text())["created"] for path in (run_dir / "checkpoints").glob("step-*.json")]
     assert created and max(created) < killed_at + 0.5  # nothing saved after the agent was gone
