@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo test lint bench clean
+.PHONY: install install-test prometheus demo test lint bench monitor clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# Prometheus and promtool (Debian package `prometheus`) for the monitoring tests and `make monitor`:
+# apt-get as root (CI), through sudo otherwise; the package's service is not needed (tests start their own).
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  if [ -n "$$SUDO" ] && ! command -v sudo >/dev/null; then \
+	    echo "make: not root and no sudo: install the Debian package prometheus by hand (its tests skip until then)" >&2; \
+	  else \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  fi; }
+
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test prometheus
 
 ## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults, from step 0 each time
 ## (the same torchrun command run again would resume, and find the demo already finished).
@@ -33,6 +44,12 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m service train --set run_dir=runs/demo
 	@echo "--- runs/demo/summary.json"
 	@cat runs/demo/summary.json
+
+## monitor: a real Prometheus (with monitoring/rules.yml) scraping a local 2-process job; prints the URL and
+## example queries, and stops both when the job ends. MONITOR_ARGS go to launch/monitor.sh.
+MONITOR_ARGS ?=
+monitor: install prometheus
+	PYTHON=$(PY) launch/monitor.sh $(MONITOR_ARGS)
 
 ## lint: ruff (lint and format check) over the tree, mypy over service/ (settings in pyproject.toml).
 lint: install-test

@@ -82,7 +82,9 @@ class StagingBuffer:
 class Rank0Checkpointer(Checkpointer):
     def __init__(self, directory: Path, every_steps: int, keep: int, config_hash: str, on_error: str,
                  async_save: bool, start_fresh: bool = False, pin: bool = False,
-                 saved_step: int | None = None, lineage: str | None = None) -> None:  # fmt: skip
+                 saved_step: int | None = None, lineage: str | None = None,
+                 on_save: Callable[[float, bool], None] | None = None) -> None:  # fmt: skip
+        self.on_save = on_save  # (seconds, ok) after each write, from the writer thread for background saves
         self.directory = directory
         self.every_steps = every_steps
         self.keep = keep
@@ -159,6 +161,7 @@ class Rank0Checkpointer(Checkpointer):
         except CheckpointWriteError as exc:
             with self._lock:
                 self.failures += 1
+            self._report(time.perf_counter() - started, False)
             if background:
                 raise
             self._handle(exc)
@@ -166,9 +169,14 @@ class Rank0Checkpointer(Checkpointer):
         with self._lock:
             self.saved_step = global_step
             self.last_path = self.directory / manifest.file
+        self._report(time.perf_counter() - started, True)
         log.info("checkpoint saved: %s (%.1f MiB in %.2f s%s)", self.last_path, manifest.size / 2**20,
                  time.perf_counter() - started, ", background" if background else "")  # fmt: skip
         prune(self.directory, self.keep, global_step, self._lineages)
+
+    def _report(self, seconds: float, ok: bool) -> None:
+        if self.on_save is not None:
+            self.on_save(seconds, ok)
 
     def _wait(self) -> None:
         if self._inflight is not None:

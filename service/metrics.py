@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("service.train")
 
@@ -40,8 +43,20 @@ class EvalReport:
 class MetricsSink:
     """Do-nothing defaults: a sink overrides only what it records."""
 
-    def on_step(self, rank_samples: int) -> None:
-        """Called every optimizer step with the samples this rank consumed; keep it cheap."""
+    def instrument(self, model: Any) -> None:
+        """Called once before training with the wrapped model (e.g. to time DDP's all-reduce)."""
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        """Called every optimizer step with host-timer numbers: no sync, no I/O, no collective; keep it cheap.
+
+        ``rank_samples``: real samples (no fillers) this rank consumed; ``step_seconds``: wall time of the
+        step, data wait included; ``data_wait_seconds``: time blocked in the loader; ``tokens``: 0 unless the
+        task counts them.
+        """
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        """Called by the checkpointer (rank 0, maybe from its writer thread) after each save attempt."""
 
     def on_report(self, report: StepReport) -> None:
         """Called every ``train.log_every`` steps."""
@@ -61,9 +76,18 @@ class FanOutSink(MetricsSink):
     def __init__(self, sinks: Sequence[MetricsSink]) -> None:
         self.sinks = tuple(sinks)
 
-    def on_step(self, rank_samples: int) -> None:
+    def instrument(self, model: Any) -> None:
         for sink in self.sinks:
-            sink.on_step(rank_samples)
+            sink.instrument(model)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        for sink in self.sinks:
+            sink.on_step(rank_samples, step_seconds, data_wait_seconds, tokens)
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        for sink in self.sinks:
+            sink.on_checkpoint(seconds, ok)
 
     def on_report(self, report: StepReport) -> None:
         for sink in self.sinks:
@@ -101,7 +125,8 @@ class ProgressSink(MetricsSink):
 
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
 
-    def on_step(self, rank_samples: int) -> None:
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
         self.bar.update(1)
 
     def on_report(self, report: StepReport) -> None:
@@ -132,41 +157,186 @@ class TensorBoardSink(MetricsSink):
         self.writer.close()
 
 
-class PrometheusSink(MetricsSink):
-    """Per-rank metrics on ``host:port``; each rank serves its own registry."""
+# --------------------------------------------------------------------------- Prometheus
 
-    def __init__(self, host: str, port: int, labels: dict[str, str]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+PREFIX = "ddp_train_"
+LABELS = ("rank", "local_rank", "node_rank", "run_id")
+# Step, data-wait, all-reduce and checkpoint durations from 1 ms to 60 s.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def metric_labels(world: Any) -> dict[str, str]:
+    """The four labels of every series (a ``WorldInfo``); ``job`` and ``instance`` are Prometheus's own."""
+    return {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank),
+            "run_id": world.run_id or "none"}  # fmt: skip
+
+
+def count_tokens(tokens_fn: Callable[[Any], int] | None, micro: Sequence[tuple[Any, Any]], reals: Sequence[int]) -> int:
+    """Tokens in one step's real samples (fillers excluded), from the loader's host tensors; 0 without ``tokens_fn``."""
+    if tokens_fn is None:
+        return 0
+    return sum(int(tokens_fn(inputs[:real])) for (inputs, _), real in zip(micro, reals, strict=True) if real)
+
+
+class AllreduceTimer:
+    """A DDP comm hook: torch's default all-reduce, timed on the host without a sync.
+
+    Each bucket's hook call is stamped, and a ``then`` callback on its future
+    (on gloo it runs in gloo's thread when the all-reduce is done) stamps its
+    completion. :meth:`take` returns the span from the step's first bucket
+    launch to its last completion: DDP waits on the chained futures before
+    backward returns, so the span is complete when the loop reads it. Buckets
+    overlap with backward and with each other, so this is the wall time during
+    which gradient communication was in flight, not a sum of bucket times. On
+    NCCL a future completes when the work is enqueued on the stream, not when
+    the GPU finishes it: timing the kernels would need CUDA events and a sync.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first: float | None = None
+        self._last: float | None = None
+
+    def hook(self, process_group, bucket):  # noqa: ANN001, ANN201
+        """torch's ``allreduce_hook`` (divide, all-reduce, take the value) with one timing callback.
+
+        Unannotated on purpose: DDP refuses a hook whose annotations are not GradBucket and Future[Tensor].
+        """
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        with self._lock:
+            if self._first is None:
+                self._first = started
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(process_group))  # None: the default group, as in allreduce_hook
+
+        def done(future: Any) -> Any:
+            ended = time.perf_counter()
+            with self._lock:
+                self._last = ended if self._last is None else max(self._last, ended)
+            return future.value()[0]
+
+        return dist.all_reduce(tensor, group=process_group, async_op=True).get_future().then(done)
+
+    def take(self) -> float | None:
+        """Seconds of all-reduce since the last call, or None when no bucket was reduced (no_sync, no DDP)."""
+        with self._lock:
+            first, last, self._first, self._last = self._first, self._last, None, None
+        return None if first is None or last is None else max(0.0, last - first)
+
+
+class PrometheusSink(MetricsSink):
+    """Per-rank metrics on ``host:port`` (``port`` 0: the OS picks one); each rank serves its own registry.
+
+    Updates come from host timers and values the loop already read: no collective, no device sync, no I/O.
+    The HTTP server runs in prometheus-client's thread, so it answers while this rank is inside a long step.
+    """
+
+    def __init__(self, host: str, port: int, world: Any, device: str = "cpu", backend: str = "none",
+                 base_port: int | str | None = None, allreduce_timing: bool = True) -> None:  # fmt: skip
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+        from service import __version__
 
         self.registry = CollectorRegistry()
-        names = list(labels)
+        self.labels = metric_labels(world)
+        names = list(LABELS)
 
-        def metric(kind, name, doc):  # noqa: ANN001, ANN202 - a local shorthand
-            return kind(name, doc, names, registry=self.registry).labels(**labels)
+        def metric(kind, name, doc, **kwargs):  # noqa: ANN001, ANN003, ANN202 - a local shorthand
+            return kind(PREFIX + name, doc, names, registry=self.registry, **kwargs).labels(**self.labels)
 
-        self.steps = metric(Counter, "ddp_train_steps", "Optimizer steps taken by this rank.")
-        self.samples = metric(Counter, "ddp_train_samples", "Training samples consumed by this rank.")
-        self.throughput = metric(Gauge, "ddp_train_samples_per_second", "This rank's training throughput.")
-        self.loss = metric(Gauge, "ddp_train_loss", "Mean training loss over the last logging window.")
-        self.eval_metric = metric(Gauge, "ddp_eval_metric", "The task's eval metric after the last evaluation.")
+        def histogram(name: str, doc: str) -> Any:
+            return metric(Histogram, name, doc, buckets=BUCKETS)
+
+        self.samples = metric(Counter, "samples", "Training samples this rank consumed (real samples, no fillers).")
+        self.tokens = metric(Counter, "tokens", "Training tokens this rank consumed, where the task counts them.")
+        self.steps = metric(Counter, "steps", "Optimizer steps taken by this rank.")
+        self.step_seconds = histogram("step_seconds", "Wall time of one optimizer step, data wait included.")
+        self.data_wait = histogram("data_wait_seconds", "Time one optimizer step was blocked waiting for batches.")
+        self.allreduce = histogram("allreduce_seconds", "Wall time gradient all-reduce was in flight in one step.")
+        self.loss = metric(Gauge, "loss", "Mean training loss over the last logging window.")
+        self.lr = metric(Gauge, "learning_rate", "The learning rate at the last logging step.")
+        self.epoch = metric(Gauge, "epoch", "The epoch being trained (from 0).")
+        self.global_step = metric(Gauge, "global_step", "Optimizer steps of the whole run, at the last logging step.")
+        self.throughput = metric(Gauge, "samples_per_second", "This rank's training throughput.")
+        self.eval_metric = metric(Gauge, "eval_metric", "The task's eval metric after the last evaluation.")
+        self.checkpoint_seconds = histogram("checkpoint_save_seconds", "Time to write one checkpoint (rank 0).")
+        self.checkpoint_last = metric(Gauge, "checkpoint_last_success_timestamp_seconds",
+                                      "Unix time of the last successful checkpoint save; 0 before any.")  # fmt: skip
+        self.checkpoint_failures = metric(Counter, "checkpoint_failures", "Checkpoint saves that failed.")
+        metric(Gauge, "restarts", "Restarts of the job so far (TORCHELASTIC_RESTART_COUNT).").set(world.restart_count)
+        metric(Gauge, "world_size", "Processes in the job's current world.").set(world.world_size)
+        import torch
+
+        metric(Info, "build", "Versions and the setup this rank runs with.").info(
+            {
+                "torch_version": str(torch.__version__),
+                "service_version": __version__,
+                "backend": backend,
+                "device": device,
+                "launcher": world.launcher,
+            }
+        )
+        self.cuda = device == "cuda"
+        self.max_memory = (
+            metric(Gauge, "device_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated at the last log step.")
+            if self.cuda
+            else None
+        )
+        self.allreduce_timer = AllreduceTimer() if allreduce_timing else None
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
+            base = port - world.local_rank if base_port is None else base_port
             raise OSError(
-                f"The metrics server cannot listen on {host}:{port} ({exc.strerror}). Each rank uses "
-                "metrics.port + LOCAL_RANK: pick a base port with enough free ports above it, or 0 to disable."
+                exc.errno,
+                f"The metrics server of local rank {world.local_rank} cannot listen on {host}:{port} "
+                f"({exc.strerror}): metrics.port={base} and each rank serves on metrics.port + LOCAL_RANK. "
+                f"Free port {port}, set metrics.port to a base with {world.local_world_size} free ports above it, "
+                "metrics.port=auto to let the OS pick, or 0 to turn the exporter off.",
             ) from exc
+        self.port = int(self.server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
 
-    def on_step(self, rank_samples: int) -> None:
+    def instrument(self, model: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.allreduce_timer is not None and isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, self.allreduce_timer.hook)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
         self.steps.inc()
         self.samples.inc(rank_samples)
+        if tokens:
+            self.tokens.inc(tokens)
+        self.step_seconds.observe(step_seconds)
+        self.data_wait.observe(data_wait_seconds)
+        allreduce = self.allreduce_timer.take() if self.allreduce_timer is not None else None
+        if allreduce is not None:
+            self.allreduce.observe(allreduce)
 
     def on_report(self, report: StepReport) -> None:
         self.throughput.set(report.rank_samples_per_second)
         self.loss.set(report.loss)
+        self.lr.set(report.lr)
+        self.epoch.set(report.epoch)
+        self.global_step.set(report.global_step)
+        if self.max_memory is not None:
+            import torch
+
+            self.max_memory.set(torch.cuda.max_memory_allocated())
 
     def on_eval(self, report: EvalReport) -> None:
         self.eval_metric.set(report.metric)
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        if ok:
+            self.checkpoint_seconds.observe(seconds)
+            self.checkpoint_last.set(time.time())
+        else:
+            self.checkpoint_failures.inc()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -10,7 +10,7 @@ def check_against_world(config: JobConfig, world: WorldInfo) -> None:
     """Refuse a config that cannot work in this world; every problem at once, as a :class:`ConfigError`."""
     errors = []
     port = config.metrics.port
-    if port and port + world.local_world_size - 1 > 65535:
+    if isinstance(port, int) and port and port + world.local_world_size - 1 > 65535:
         errors.append(
             f"metrics.port={port} with {world.local_world_size} processes on this node: local rank "
             f"{world.local_world_size - 1} would serve on port {port + world.local_world_size - 1}, past 65535. "

@@ -44,17 +44,26 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
         sinks.append(ProgressSink(total_steps))
     if config.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
-    if config.metrics.port:
-        labels = {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank)}
-        sinks.append(PrometheusSink(config.metrics.host, config.metrics.port + world.local_rank, labels))
+    base_port = config.metrics.port
+    if base_port:
+        port = 0 if base_port == "auto" else int(base_port) + world.local_rank
+        sinks.append(PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
+                                    _backend(), base_port, config.metrics.allreduce_timing))  # fmt: skip
+    sink = FanOutSink(sinks)
     ckpt = config.checkpoint
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
                           ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda,
-                          saved_step=resumed_step, lineage=lineage)
+                          saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint)
         if is_rank0
         else Checkpointer()
     )  # fmt: skip
     summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
-    return Roles(sink=FanOutSink(sinks), checkpointer=checkpointer, summary=summary, trace=trace)
+    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace)
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"

@@ -30,7 +30,7 @@ from service.data import eval_loader, train_loader
 from service.distributed import DistContext, any_rank
 from service.env import WorldInfo
 from service.errors import backward
-from service.metrics import EvalReport, StepReport
+from service.metrics import EvalReport, StepReport, count_tokens
 from service.nonfinite import NonfiniteGuard
 from service.parallel import unwrap, wrap_model
 from service.preemption import Preemption
@@ -180,6 +180,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
         autocast=autocast_factory(train.amp, dist_ctx.device),
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
     return job
 
 
@@ -271,7 +272,9 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
     batches = iter(job.loader)
     log_every, roles, seed = job.config.train.log_every, job.roles, job.config.seed
     for plan in job.plan.steps(state.epoch, state.cursor):
+        started = time.perf_counter()  # host timers only: no device sync for the metrics
         micro = [next(batches) for _ in plan.micro]
+        fetched = time.perf_counter()
         seed_step(seed, state.global_step, job.world.rank, job.device)
         loss = optimizer_step(job, plan, micro, state.global_step + 1)
         state.global_step += 1
@@ -280,7 +283,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
         state.samples_seen += plan.size
         rank_samples = sum(part.real for part in plan.micro)
         window.add(loss, rank_samples)
-        roles.sink.on_step(rank_samples)
+        tokens = count_tokens(job.task.tokens_fn, micro, [part.real for part in plan.micro])
+        roles.sink.on_step(rank_samples, time.perf_counter() - started, fetched - started, tokens)
         roles.trace.record(plan, state.global_step)
         if state.global_step % log_every == 0:
             roles.sink.on_report(window.report(job, state))

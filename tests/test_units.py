@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -18,7 +17,6 @@ from service.config import TrainConfig, load_config
 from service.distributed import attempt_store, select_backend, select_device, store_namespace
 from service.env import EnvError, WorldInfo
 from service.errors import INPLACE_MARKER, InplaceGradientError, backward
-from service.metrics import PrometheusSink, StepReport
 from service.parallel import wants_sync_batchnorm, wrap_model
 from service.sampler import DataPlan
 from service.summary import JsonSummaryWriter, model_digest
@@ -178,30 +176,6 @@ def test_dp_strategy_refuses_several_processes_and_warns_on_cpu(world_of_one, ca
     with caplog.at_level("WARNING"):
         model = wrap_model(nn.Linear(2, 2), train, ddp, world_of_one, torch.device("cpu"))
     assert isinstance(model, nn.Linear) and "single process" in caplog.text
-
-
-def test_prometheus_sink_serves_per_rank_metrics(unused_tcp_port):
-    sink = PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "3", "local_rank": "1", "node_rank": "1"})
-    try:
-        sink.on_step(8)
-        sink.on_step(8)
-        sink.on_report(StepReport(2, 10, 0, 0.5, 0.1, 32, 123.0))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5).read().decode()
-    finally:
-        sink.close()
-    labels = 'local_rank="1",node_rank="1",rank="3"'
-    assert f"ddp_train_samples_total{{{labels}}} 16.0" in text
-    assert f"ddp_train_steps_total{{{labels}}} 2.0" in text
-    assert f"ddp_train_samples_per_second{{{labels}}} 123.0" in text
-
-
-def test_prometheus_port_in_use_is_explained(unused_tcp_port):
-    first = PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "0"})
-    try:
-        with pytest.raises(OSError, match="metrics.port \\+ LOCAL_RANK"):
-            PrometheusSink("127.0.0.1", unused_tcp_port, {"rank": "0"})
-    finally:
-        first.close()
 
 
 @pytest.fixture

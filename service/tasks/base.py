@@ -32,6 +32,8 @@ class Task:
     ``loss_fn(output, target)`` returns the mean loss over the batch;
     ``metric_fn(output, target)`` returns one score per sample (higher is better),
     which the service averages over the whole eval set across ranks.
+    ``tokens_fn(inputs)``, when set, counts the tokens of a batch of real samples
+    (on the host, from the loader's CPU tensors) for ``ddp_train_tokens_total``.
     """
 
     model: nn.Module
@@ -40,3 +42,4 @@ class Task:
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     metric_fn: Callable[[Tensor, Tensor], Tensor]
     metric_name: str
+    tokens_fn: Callable[[Tensor], int] | None = None

@@ -2,11 +2,20 @@
 
 The sleep changes no number: a slow run trains bit for bit like a fast one.
 ``task_options.dropout`` puts dropout on the input, so resume tests also
-prove that the step's randomness replays exactly.
+prove that the step's randomness replays exactly. ``task_options.long_step_at``
+(a training forward count, from 1) makes that one forward sleep
+``task_options.long_step_seconds`` (5 s) on the ranks in ``task_options.long_step_ranks``
+(all by default), and prints ``long step begins`` to stderr as it starts.
+``task_options.tokens_per_sample`` gives the task a ``tokens_fn`` counting that many per sample.
+``task_options.slow_rank`` makes one rank a straggler: the worker whose ``RANK`` (as torchrun
+sets it; a test task may read it) equals it sleeps ``task_options.slow_rank_sleep`` seconds more
+per training micro-step (the monitoring tests).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from torch import Tensor, nn
@@ -16,13 +25,22 @@ from service.tasks.base import Task, TaskSpec
 
 
 class Sleepy(nn.Module):
-    def __init__(self, inner: nn.Module, seconds: float, dropout: float) -> None:
+    def __init__(self, inner: nn.Module, seconds: float, dropout: float, long_step_at: int = 0,
+                 long_step_seconds: float = 5.0) -> None:  # fmt: skip
         super().__init__()
         self.inner = inner
         self.seconds = seconds
         self.dropout = nn.Dropout(dropout)
+        self.long_step_at = long_step_at
+        self.long_step_seconds = long_step_seconds
+        self.forwards = 0
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.forwards += 1
+            if self.forwards == self.long_step_at:
+                print(f"long step begins: {self.long_step_seconds} s", file=sys.stderr, flush=True)
+                time.sleep(self.long_step_seconds)
         if self.training and self.seconds:
             time.sleep(self.seconds)
         return self.inner(self.dropout(x))
@@ -30,8 +48,21 @@ class Sleepy(nn.Module):
 
 def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
-    options = {key: value for key, value in spec.options.items() if key not in ("sleep", "dropout")}
+    own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
+           "slow_rank", "slow_rank_sleep")  # fmt: skip
+    options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
-    model = Sleepy(task.model, float(spec.option("sleep", 0.05)), float(spec.option("dropout", 0.0)))
+    ranks = spec.option("long_step_ranks", None)
+    long_step_at = int(spec.option("long_step_at", 0))
+    if ranks is not None and int(os.environ.get("RANK", "0")) not in [int(rank) for rank in ranks]:
+        long_step_at = 0
+    seconds = float(spec.option("sleep", 0.05))
+    slow_rank = spec.option("slow_rank", None)
+    if slow_rank is not None and os.environ.get("RANK") == str(int(slow_rank)):
+        seconds += float(spec.option("slow_rank_sleep", 0.0))
+    model = Sleepy(task.model, seconds, float(spec.option("dropout", 0.0)),
+                   long_step_at, float(spec.option("long_step_seconds", 5.0)))  # fmt: skip
+    per_sample = int(spec.option("tokens_per_sample", 0))
     return Task(model=model, train_set=task.train_set, eval_set=task.eval_set, loss_fn=task.loss_fn,
-                metric_fn=task.metric_fn, metric_name=task.metric_name)  # fmt: skip
+                metric_fn=task.metric_fn, metric_name=task.metric_name,
+                tokens_fn=(lambda inputs: len(inputs) * per_sample) if per_sample else None)  # fmt: skip

@@ -1,0 +1,152 @@
+"""The service's loop with the Prometheus exporter on against the same loop with it off.
+
+Same model (the shapes UNet), data, batch and 2 gloo processes. Each torchrun
+run builds two jobs in the same processes, one with metrics off and one with
+them on, and alternates them epoch by epoch (the order flips each epoch), so
+drift on the machine hits both alike; the ratio is the median over the paired
+epochs. With
+metrics on, every rank serves its registry (``metrics.port=auto``), times its
+steps, data waits and DDP all-reduce (the comm hook), and a thread in each rank
+scrapes its own endpoint every ``--scrape-every`` seconds, as Prometheus would.
+Both modes log every 10 steps (the loss is read from the device there in both).
+Prints the median step time of each and the throughput ratio on / off (target >= 0.99).
+
+    python bench/metrics_overhead.py [--rounds 3] [--epochs 8] [--batch 8] [--scrape-every 1]
+
+BENCH_NO_ALLREDUCE_HOOK=1 runs with metrics.allreduce_timing=false, to see the comm hook's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SIZE = 512
+
+
+def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
+    """Runs under torchrun: two jobs in the same processes, metrics off and on, alternating epoch by epoch.
+
+    Writes rank 0's seconds per step of each epoch of each job.
+    """
+    from service.config import load_config
+    from service.distributed import distributed
+    from service.env import detect_world
+    from service.train import build_job
+
+    world = detect_world(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = {mode: load_config(None, [*_overrides(mode, batch, epochs), f"run_dir={tmp}/{mode}"])
+                   for mode in ("off", "on")}  # fmt: skip
+        with distributed(world, configs["off"].dist.backend, configs["off"].dist.timeout_seconds) as ctx:
+            times = _time_epochs({mode: build_job(config, world, ctx) for mode, config in configs.items()},
+                                 epochs, scrape_every)  # fmt: skip
+    if world.rank == 0:
+        out.write_text(json.dumps(times))
+
+
+def _overrides(mode: str, batch: int, epochs: int) -> list[str]:
+    return [
+        f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
+        "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=10",
+        "metrics.tensorboard=false", f"metrics.port={'auto' if mode == 'on' else 0}",
+        "checkpoint.every_steps=0", "checkpoint.resume=never",
+        f"metrics.allreduce_timing={os.environ.get('BENCH_NO_ALLREDUCE_HOOK') != '1'}",
+    ]  # fmt: skip
+
+
+def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list[float]]:
+    """Seconds per step of each epoch of each job; the jobs die with this frame, before the process group."""
+    import torch.distributed as dist
+
+    from service.metrics import PrometheusSink
+    from service.train import LoopState, _Window, train_epoch
+
+    ports = [sink.port for sink in jobs["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
+    assert ports and not [s for s in jobs["off"].roles.sink.sinks if isinstance(s, PrometheusSink)]
+    stop = threading.Event()
+    scrapes = [0]
+
+    def scrape() -> None:
+        while not stop.wait(scrape_every):
+            for port in ports:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+                scrapes[0] += 1
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    states = {mode: (LoopState(), _Window(job.device)) for mode, job in jobs.items()}
+    times: dict[str, list[float]] = {mode: [] for mode in jobs}
+    for epoch in range(epochs):
+        for mode in ("off", "on") if epoch % 2 == 0 else ("on", "off"):
+            job, (state, window) = jobs[mode], states[mode]
+            state.epoch, state.cursor = epoch, 0
+            dist.barrier()
+            start = time.perf_counter()
+            train_epoch(job, state, window)
+            times[mode].append((time.perf_counter() - start) / job.plan.steps_in_epoch(0))
+    stop.set()
+    scraper.join()
+    if jobs["on"].world.rank == 0:
+        print(f"scraped {scrapes[0]} times", file=sys.stderr)
+    for job in jobs.values():
+        job.roles.close()
+    return times
+
+
+def run(epochs: int, batch: int, scrape_every: float) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--worker", "--epochs", str(epochs), "--batch", str(batch), "--scrape-every", str(scrape_every),
+               "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"The benchmark run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        times = json.loads(out.read_text())
+        return {mode: values[1:] for mode, values in times.items()}  # the first epoch warms up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--scrape-every", type=float, default=1.0)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.epochs, args.batch, args.scrape_every, args.out)
+        return
+    samples: dict[str, list[float]] = {"off": [], "on": []}
+    ratios = []  # epoch by epoch, each pair run back to back, so drift on the machine cancels out
+    for round_ in range(args.rounds):
+        times = run(args.epochs, args.batch, args.scrape_every)
+        for mode in samples:
+            samples[mode] += times[mode]
+        ratios += [off / on for off, on in zip(times["off"], times["on"], strict=True)]
+        medians = ", ".join(f"metrics {m} {statistics.median(v) * 1e3:.2f} ms/step" for m, v in times.items())
+        print(f"round {round_ + 1}/{args.rounds}: {medians}", flush=True)
+    off_ms = statistics.median(samples["off"]) * 1e3
+    on_ms = statistics.median(samples["on"]) * 1e3
+    print(f"\n{'metrics':<10}{'median ms/step':>16}{'epochs timed':>14}")
+    print(f"{'off':<10}{off_ms:>16.2f}{len(samples['off']):>14}")
+    print(f"{'on':<10}{on_ms:>16.2f}{len(samples['on']):>14}")
+    print(f"\nthroughput ratio metrics on/off: {statistics.median(ratios):.3f} (median of {len(ratios)} paired "
+          f"epochs; pooled medians {off_ms / on_ms:.3f}; target >= 0.99)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
