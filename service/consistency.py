@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from service.config import JobConfig
+from service.distributed import bytes_to_tensor, tensor_to_bytes
 from service.resume import training_fields
 
 # A config error: torchrun retries any failed worker group up to --max-restarts, and each retry
@@ -35,11 +36,9 @@ def gather_json(payload: bytes, world_size: int, group: Any) -> list[bytes]:
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(item.item()) for item in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
     buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(buffers, mine, group=group)
-    return [bytes(buffer[: int(n.item())].tolist()) for buffer, n in zip(buffers, sizes, strict=True)]
+    dist.all_gather(buffers, bytes_to_tensor(payload, longest), group=group)
+    return [tensor_to_bytes(buffer, int(n.item())) for buffer, n in zip(buffers, sizes, strict=True)]
 
 
 def differences(fields: list[dict[str, Any]]) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -115,6 +116,19 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
     return DistContext(backend=backend, device=device, control=control)
+
+
+def bytes_to_tensor(payload: bytes, length: int | None = None) -> torch.Tensor:
+    """``payload`` as a CPU uint8 tensor for a collective, zero-padded to ``length``; one copy."""
+    tensor = torch.zeros(len(payload) if length is None else length, dtype=torch.uint8)
+    if payload:
+        tensor.numpy()[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)  # reads bytes without a copy
+    return tensor
+
+
+def tensor_to_bytes(tensor: torch.Tensor, length: int) -> bytes:
+    """The first ``length`` bytes of a uint8 tensor that a collective filled."""
+    return tensor[:length].numpy().tobytes()
 
 
 def any_rank(group: Any) -> Callable[[bool, int], tuple[bool, int]]:

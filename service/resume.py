@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from service.checkpoint_io import Manifest, load_state, scan
 from service.config import JobConfig
+from service.distributed import bytes_to_tensor, tensor_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,10 @@ def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any,
 def _broadcast_bytes(payload: bytes, source: int, group: Any) -> bytes:
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=source, group=group)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    if payload:
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    length = int(size.item())
+    buffer = bytes_to_tensor(payload, length)
     dist.broadcast(buffer, src=source, group=group)
-    return buffer.numpy().tobytes()
+    return payload if payload else tensor_to_bytes(buffer, length)
 
 
 def rng_state() -> dict[str, Any]:

@@ -281,9 +281,10 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
         job.nonfinite.check(state.global_step)
         state.cursor = plan.end
         state.samples_seen += plan.size
-        rank_samples = sum(part.real for part in plan.micro)
+        reals = [part.real for part in plan.micro]
+        rank_samples = sum(reals)
         window.add(loss, rank_samples)
-        tokens = count_tokens(job.task.tokens_fn, micro, [part.real for part in plan.micro])
+        tokens = count_tokens(job.task.tokens_fn, micro, reals)
         roles.sink.on_step(rank_samples, time.perf_counter() - started, fetched - started, tokens)
         roles.trace.record(plan, state.global_step)
         if state.global_step % log_every == 0:

@@ -305,3 +305,47 @@ def test_f_full_disk_stops_naming_path_and_free_space_and_the_previous_checkpoin
     run_job(run_dir, 1, *job)
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == valid[-1]
+
+
+def test_a_node_without_the_checkpoint_receives_it_and_never_starts_older(tmp_path):
+    """Two nodes whose run_dirs are not shared: the one that lacks the newest checkpoint gets its bytes over gloo."""
+    import uuid
+
+    from rendezvous.agents import Agent, train_args
+    from rendezvous.conftest import free_port
+
+    shared, empty = tmp_path / "has", tmp_path / "lacks"
+    run_job(shared, 1, *ONE, "train.max_steps=8", "train.log_every=1")
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"unshared-{uuid.uuid4().hex[:8]}"
+    quiet = (
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "metrics.tensorboard=false",
+        *sum((("--set", o) for o in ONE), ()),
+    )
+    agents = [
+        Agent(
+            tmp_path / f"{addr}.log",
+            addr,
+            "c10d",
+            endpoint,
+            run_id,
+            "2",
+            1,
+            [*train_args(run_dir, 12), *quiet, "--set", "checkpoint.every_steps=50"],
+            max_restarts=0,
+        )  # fmt: skip
+        for addr, run_dir in (("127.0.0.2", shared), ("127.0.0.3", empty))
+    ]
+    try:
+        codes = [agent.wait(120) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    logs = "".join(agent.log() for agent in agents)
+    assert codes == [0, 0], logs[-3000:]
+    assert "does not hold step-00000008.pt; received it from rank" in logs
+    assert logs.count("resuming from") == 2 and " INFO step 1/" not in logs  # nobody started over
+    rank0_dir = shared if "[rank 0] INFO resuming from " + str(shared) in logs else empty
+    assert read_summary(rank0_dir)["resumed_from"]["step"] == 8
