@@ -1,19 +1,20 @@
 """The service's loop with the Prometheus exporter on against the same loop with it off.
 
-Same model (the shapes UNet), data, batch and 2 gloo processes. Each torchrun
-run builds two jobs in the same processes, one with metrics off and one with
-them on, and alternates them epoch by epoch (the order flips each epoch), so
-drift on the machine hits both alike; the ratio is the median over the paired
-epochs. With
-metrics on, every rank serves its registry (``metrics.port=auto``), times its
-steps, data waits and DDP all-reduce (the comm hook), and a thread in each rank
-scrapes its own endpoint every ``--scrape-every`` seconds, as Prometheus would.
+Same model (the shapes UNet, SyncBatchNorm on as by default), data, batch and
+2 gloo processes. Each torchrun run builds two jobs in the same processes, one
+with metrics off and one with them on, and alternates them epoch by epoch (the
+order flips each epoch), so drift on the machine hits both alike; the ratio is
+the median over the paired epochs. With metrics on, every rank serves its
+registry (``metrics.port=auto``), times its steps, data waits, DDP all-reduce
+(the comm hook), buffer broadcast and SyncBatchNorm all-reduces, and a thread
+in each rank scrapes its own endpoint every ``--scrape-every`` seconds, as
+Prometheus would.
 Both modes log every 10 steps (the loss is read from the device there in both).
 Prints the median step time of each and the throughput ratio on / off (target >= 0.99).
 
     python bench/metrics_overhead.py [--rounds 3] [--epochs 8] [--batch 8] [--scrape-every 1]
 
-BENCH_NO_ALLREDUCE_HOOK=1 runs with metrics.allreduce_timing=false, to see the comm hook's share.
+BENCH_NO_ALLREDUCE_HOOK=1 runs with metrics.allreduce_timing=false, to see the collective timers' share.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
 def _overrides(mode: str, batch: int, epochs: int) -> list[str]:
     return [
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
-        "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=10",
+        "train.progress_bar=false", "train.log_every=10",
         "metrics.tensorboard=false", f"metrics.port={'auto' if mode == 'on' else 0}",
         "checkpoint.every_steps=0", "checkpoint.resume=never",
         f"metrics.allreduce_timing={os.environ.get('BENCH_NO_ALLREDUCE_HOOK') != '1'}",

@@ -164,7 +164,9 @@ class MetricsConfig(_Section):
     host: str = "127.0.0.1"
     tensorboard: bool = True
     allreduce_timing: bool = Field(
-        True, description="Time DDP's gradient all-reduce with a comm hook (about 0.2 ms a step on CPU/gloo)."
+        True,
+        description="Time the step's collectives on the host: DDP's gradient all-reduce (a comm hook, about "
+        "0.2 ms a step on CPU/gloo), its buffer broadcast and CPU SyncBatchNorm; the straggler score needs it.",
     )
 
 

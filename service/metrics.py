@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from service.commtiming import AllreduceTimer, WaitClock
+from service.commtiming import instrument as instrument_collectives
 
 log = logging.getLogger("service.train")
 
@@ -178,54 +180,6 @@ def count_tokens(tokens_fn: Callable[[Any], int] | None, micro: Sequence[tuple[A
     return sum(int(tokens_fn(inputs[:real])) for (inputs, _), real in zip(micro, reals, strict=True) if real)
 
 
-class AllreduceTimer:
-    """A DDP comm hook: torch's default all-reduce, timed on the host without a sync.
-
-    Each bucket's hook call is stamped, and a ``then`` callback on its future
-    (on gloo it runs in gloo's thread when the all-reduce is done) stamps its
-    completion. :meth:`take` returns the span from the step's first bucket
-    launch to its last completion: DDP waits on the chained futures before
-    backward returns, so the span is complete when the loop reads it. Buckets
-    overlap with backward and with each other, so this is the wall time during
-    which gradient communication was in flight, not a sum of bucket times. On
-    NCCL a future completes when the work is enqueued on the stream, not when
-    the GPU finishes it: timing the kernels would need CUDA events and a sync.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._first: float | None = None
-        self._last: float | None = None
-
-    def hook(self, process_group, bucket):  # noqa: ANN001, ANN201
-        """torch's ``allreduce_hook`` (divide, all-reduce, take the value) with one timing callback.
-
-        Unannotated on purpose: DDP refuses a hook whose annotations are not GradBucket and Future[Tensor].
-        """
-        import torch.distributed as dist
-
-        started = time.perf_counter()
-        with self._lock:
-            if self._first is None:
-                self._first = started
-        tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size(process_group))  # None: the default group, as in allreduce_hook
-
-        def done(future: Any) -> Any:
-            ended = time.perf_counter()
-            with self._lock:
-                self._last = ended if self._last is None else max(self._last, ended)
-            return future.value()[0]
-
-        return dist.all_reduce(tensor, group=process_group, async_op=True).get_future().then(done)
-
-    def take(self) -> float | None:
-        """Seconds of all-reduce since the last call, or None when no bucket was reduced (no_sync, no DDP)."""
-        with self._lock:
-            first, last, self._first, self._last = self._first, self._last, None, None
-        return None if first is None or last is None else max(0.0, last - first)
-
-
 class PrometheusSink(MetricsSink):
     """Per-rank metrics on ``host:port`` (``port`` 0: the OS picks one); each rank serves its own registry.
 
@@ -255,6 +209,8 @@ class PrometheusSink(MetricsSink):
         self.step_seconds = histogram("step_seconds", "Wall time of one optimizer step, data wait included.")
         self.data_wait = histogram("data_wait_seconds", "Time one optimizer step was blocked waiting for batches.")
         self.allreduce = histogram("allreduce_seconds", "Wall time gradient all-reduce was in flight in one step.")
+        self.collective_wait = histogram("collective_wait_seconds", "Time one step spent in its other collectives: "
+                                         "DDP's buffer broadcast and SyncBatchNorm's all-reduces.")  # fmt: skip
         self.loss = metric(Gauge, "loss", "Mean training loss over the last logging window.")
         self.lr = metric(Gauge, "learning_rate", "The learning rate at the last logging step.")
         self.epoch = metric(Gauge, "epoch", "The epoch being trained (from 0).")
@@ -285,6 +241,7 @@ class PrometheusSink(MetricsSink):
             else None
         )
         self.allreduce_timer = AllreduceTimer() if allreduce_timing else None
+        self.wait_clock = WaitClock() if allreduce_timing else None
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
@@ -300,10 +257,7 @@ class PrometheusSink(MetricsSink):
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     def instrument(self, model: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if self.allreduce_timer is not None and isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(None, self.allreduce_timer.hook)
+        instrument_collectives(model, self.allreduce_timer, self.wait_clock)
 
     def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
                 tokens: int = 0) -> None:  # fmt: skip
@@ -313,9 +267,10 @@ class PrometheusSink(MetricsSink):
             self.tokens.inc(tokens)
         self.step_seconds.observe(step_seconds)
         self.data_wait.observe(data_wait_seconds)
-        allreduce = self.allreduce_timer.take() if self.allreduce_timer is not None else None
-        if allreduce is not None:
-            self.allreduce.observe(allreduce)
+        for timer, histogram in ((self.allreduce_timer, self.allreduce), (self.wait_clock, self.collective_wait)):
+            seconds = timer.take() if timer is not None else None
+            if seconds is not None:
+                histogram.observe(seconds)
 
     def on_report(self, report: StepReport) -> None:
         self.throughput.set(report.rank_samples_per_second)

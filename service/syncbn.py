@@ -8,33 +8,43 @@ exactly like one rank × batch N·b with plain BatchNorm.
 
 from __future__ import annotations
 
-from typing import cast
+import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+if TYPE_CHECKING:
+    from service.commtiming import WaitClock
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
 
     @staticmethod
-    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:  # noqa: ANN001
-        ctx.group = group
-        total = tensor.clone()
-        dist.all_reduce(total, group=group)
-        return total
+    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None) -> Tensor:  # noqa: ANN001
+        ctx.group, ctx.clock = group, clock
+        return _timed_sum(tensor, group, clock)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        return _timed_sum(grad, ctx.group, ctx.clock), None, None
 
 
-def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
-    return _AllReduceSum.apply(tensor, group)
+def _timed_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None) -> Tensor:
+    """A summed copy; with a clock (the metrics exporter's), the time blocked in the all-reduce goes on it."""
+    total = tensor.clone()
+    started = time.perf_counter()
+    dist.all_reduce(total, group=group)
+    if clock is not None:
+        clock.add(time.perf_counter() - started)
+    return total
+
+
+def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None = None) -> Tensor:
+    return _AllReduceSum.apply(tensor, group, clock)
 
 
 class AllReduceBatchNorm(_BatchNorm):
@@ -45,6 +55,7 @@ class AllReduceBatchNorm(_BatchNorm):
                  process_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_group = process_group
+        self.wait_clock: WaitClock | None = None  # set by the metrics exporter (service.commtiming.instrument)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -57,11 +68,11 @@ class AllReduceBatchNorm(_BatchNorm):
         dims = [0, *range(2, input.dim())]
         shape = [1, -1] + [1] * (input.dim() - 2)
         local_count = input.new_full((1,), input.numel() / input.size(1))
-        sums = all_reduce_sum(torch.cat([input.sum(dims), local_count]), self._group())
+        sums = all_reduce_sum(torch.cat([input.sum(dims), local_count]), self._group(), self.wait_clock)
         count = sums[-1]
         mean = sums[:-1] / count
         centered = input - mean.view(shape)
-        var = all_reduce_sum((centered * centered).sum(dims), self._group()) / count
+        var = all_reduce_sum((centered * centered).sum(dims), self._group(), self.wait_clock) / count
         if self.training and self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), count.detach())
         out = centered * torch.rsqrt(var + self.eps).view(shape)

@@ -18,9 +18,10 @@ from test_resume_e2e import finish, start
 
 from service.checkpoint import Rank0Checkpointer
 from service.checkpoint_io import CheckpointWriteError
+from service.commtiming import AllreduceTimer, WaitClock, instrument
 from service.config import load_config
 from service.env import WorldInfo
-from service.metrics import BUCKETS, LABELS, AllreduceTimer, PrometheusSink, StepReport
+from service.metrics import BUCKETS, LABELS, PrometheusSink, StepReport
 from service.preflight import check_against_world
 from service.roles import build_roles
 
@@ -36,6 +37,7 @@ FAMILIES = {
     "ddp_train_step_seconds": "histogram",
     "ddp_train_data_wait_seconds": "histogram",
     "ddp_train_allreduce_seconds": "histogram",
+    "ddp_train_collective_wait_seconds": "histogram",
     "ddp_train_loss": "gauge",
     "ddp_train_learning_rate": "gauge",
     "ddp_train_epoch": "gauge",
@@ -102,7 +104,13 @@ def test_the_registry_holds_the_metric_set_with_four_labels_on_every_series(sink
 
 def test_histograms_span_1ms_to_60s(sink):
     assert BUCKETS[0] == 0.001 and BUCKETS[-1] == 60 and list(BUCKETS) == sorted(BUCKETS)
-    for name in ("step_seconds", "data_wait_seconds", "allreduce_seconds", "checkpoint_save_seconds"):
+    for name in (
+        "step_seconds",
+        "data_wait_seconds",
+        "allreduce_seconds",
+        "collective_wait_seconds",
+        "checkpoint_save_seconds",
+    ):
         family = next(f for f in sink.registry.collect() if f.name == f"ddp_train_{name}")
         bounds = [sample.labels["le"] for sample in family.samples if sample.name.endswith("_bucket")]
         assert bounds == [*(str(float(b)) for b in BUCKETS), "+Inf"], (name, bounds)
@@ -123,6 +131,7 @@ def test_calls_update_the_registry(sink):
     assert get("ddp_train_step_seconds_bucket", {**LABEL_VALUES, "le": "0.25"}) == 1
     assert get("ddp_train_data_wait_seconds_bucket", {**LABEL_VALUES, "le": "0.001"}) == 1
     assert get("ddp_train_allreduce_seconds_count", LABEL_VALUES) == 0  # no DDP model instrumented
+    assert get("ddp_train_collective_wait_seconds_count", LABEL_VALUES) == 0
     assert get("ddp_train_loss", LABEL_VALUES) == 0.5
     assert get("ddp_train_learning_rate", LABEL_VALUES) == 0.01
     assert get("ddp_train_epoch", LABEL_VALUES) == 1
@@ -217,6 +226,46 @@ def test_allreduce_timer_times_each_synced_step_of_a_ddp_model(tmp_path: Path):
         spans.append(timer.take())
         assert spans[0] is not None and 0 <= spans[0] < 5 and spans[1] is None
         assert torch.allclose(model.module.weight.grad, plain.weight.grad * 2)  # no_sync accumulated once more
+        del model
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+class CountingClock(WaitClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.added.append(seconds)
+        super().add(seconds)
+
+
+def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_path: Path):
+    """A 1-process gloo group: DDP's pre-forward and both SyncBatchNorm all-reduces land on the wait clock."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        model = DistributedDataParallel(convert_sync_batchnorm(net, "cpu"))
+        allreduce, waits = AllreduceTimer(), CountingClock()
+        instrument(model, allreduce, waits)
+        assert isinstance(model.module[1], AllReduceBatchNorm) and model.module[1].wait_clock is waits
+        model(torch.randn(8, 4)).sum().backward()
+        # DDP's pre-forward (the buffer broadcast), SyncBatchNorm's two all-reduces in forward and two in backward.
+        assert len(waits.added) == 5 and all(seconds >= 0 for seconds in waits.added)
+        first = waits.take()
+        assert first is not None and first > 0 and waits.take() is None
+        assert allreduce.take() is not None
+        model.module.eval()
+        with torch.no_grad():
+            model.module(torch.randn(8, 4))  # evaluation runs the unwrapped model in eval mode: no collective
+        assert waits.take() is None
         del model
         gc.collect()
     finally:

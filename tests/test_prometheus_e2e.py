@@ -227,11 +227,9 @@ def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]
                "--set", f"task_options.slow_rank={SLOW_RANK}", "--set", f"task_options.slow_rank_sleep={SLOW}",
                # One long epoch: no evaluation pauses, so the run is steady.
                "--set", "task_options.train_size=8192", "--set", "train.log_every=2",
-               "--set", "checkpoint.every_steps=10", "--set", f"metrics.port={base}",
-               # The gradient all-reduce as the step's only collective: SyncBatchNorm and DDP's buffer
-               # broadcast would make the fast ranks wait for the slow one inside forward instead, where
-               # no timer sees it (docs/monitoring.md, "Stragglers").
-               "--set", "train.sync_batchnorm=off", "--set", "ddp.broadcast_buffers=false"]  # fmt: skip
+               # SyncBatchNorm and DDP's buffer broadcast stay on (the defaults): the fast ranks wait for the
+               # slow one inside forward, in SyncBatchNorm's all-reduce, which the straggler score must see.
+               "--set", "checkpoint.every_steps=10", "--set", f"metrics.port={base}"]  # fmt: skip
     agents = []
     try:
         for host in hosts:
