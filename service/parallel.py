@@ -40,6 +40,29 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
     )
 
 
+def settle_buckets(model: nn.Module, inputs: torch.Tensor, autocast: Any) -> None:
+    """One backward of zeros through DDP before training, so every step of every start sees the same buckets.
+
+    DDP regroups its gradient buckets once, after a process's first backward, in the order the gradients
+    became ready. With 3 or more ranks the bucket layout decides in which order the all-reduce adds each
+    element across ranks, so a process that resumes at step k would reduce step k's gradients in the
+    initial layout while the uninterrupted run used the regrouped one: the weights would differ in the last
+    bits. This backward, on every start and before any real step, gives every real step the regrouped
+    layout. In eval mode (no BatchNorm statistics move, no dropout), under a forked RNG, with a loss of 0 and
+    the gradients dropped after: parameters, buffers, optimizer and RNG are as before.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    was_training = model.training
+    model.eval()
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), autocast():
+        output = model(inputs)
+    (output.float().sum() * 0).backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+
+
 def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:
     """Newer torch renames the per-forward buffer broadcast ``forward_sync_buffers``; older has only the old name."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:

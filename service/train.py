@@ -32,7 +32,7 @@ from service.env import WorldInfo
 from service.errors import backward
 from service.metrics import EvalReport, StepReport, count_tokens
 from service.nonfinite import NonfiniteGuard
-from service.parallel import unwrap, wrap_model
+from service.parallel import settle_buckets, unwrap, wrap_model
 from service.preemption import Preemption
 from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, restore, rng_state
 from service.roles import Roles, build_roles
@@ -149,6 +149,10 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
     scheduler = LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule))
     if resumed is not None:
         restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
+    autocast = autocast_factory(train.amp, dist_ctx.device)
+    with torch.random.fork_rng(devices=[]):  # a dataset may draw random numbers; the training RNG stays as it is
+        sample_input = task.train_set[0][0].unsqueeze(0)
+    settle_buckets(model, sample_input.to(dist_ctx.device), autocast)  # resume bit-exact at any world size
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
     job = Job(
         config=config,
@@ -177,7 +181,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
         state=state,
         resumed=resumed,
         total_steps=total_steps,
-        autocast=autocast_factory(train.amp, dist_ctx.device),
+        autocast=autocast,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
