@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install install-test prometheus demo test lint bench monitor clean
+.PHONY: install install-test prometheus slurm demo test lint bench monitor clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,25 +23,35 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Prometheus and promtool (Debian package `prometheus`) for the monitoring tests and `make monitor`:
-# apt-get as root (CI), through sudo otherwise; the package's service is not needed (tests start their own).
-prometheus:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+# apt_install(commands, packages, why): install Debian packages when one of the commands is missing:
+# apt-get as root (CI), through sudo otherwise; their services are not needed (the tests start their own).
+define apt_install
+	@missing=; for c in $(1); do command -v $$c >/dev/null || missing=1; done; [ -z "$$missing" ] || { \
 	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
 	  if [ -n "$$SUDO" ] && ! command -v sudo >/dev/null; then \
-	    echo "make: not root and no sudo: install the Debian package prometheus by hand (its tests skip until then)" >&2; \
+	    echo "make: not root and no sudo: install the Debian packages $(2) by hand ($(3) skip until then)" >&2; \
 	  else \
-	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $(2) >/dev/null; \
 	  fi; }
+endef
+
+# Prometheus and promtool for the monitoring tests and `make monitor`.
+prometheus:
+	$(call apt_install,promtool prometheus,prometheus,the monitoring tests)
+
+# Slurm and munge for tests/test_slurm.py, which starts its own two-node cluster on this machine.
+slurm:
+	$(call apt_install,slurmctld slurmd munged,slurm-wlm munge,the Slurm tests)
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test prometheus
+install-test: $(VENV)/.installed-test prometheus slurm
 
-## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults, from step 0 each time
-## (the same torchrun command run again would resume, and find the demo already finished).
+## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults, through `ddp-service launch`
+## (torchrun's agent, standalone), from step 0 each time (the same command run again would resume, and find
+## the demo already finished).
 demo: install
 	rm -rf runs/demo
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m service train --set run_dir=runs/demo
+	$(VENV)/bin/ddp-service launch --nproc-per-node=$(NPROC) --set run_dir=runs/demo
 	@echo "--- runs/demo/summary.json"
 	@cat runs/demo/summary.json
 

@@ -1,4 +1,4 @@
-"""``ddp-service`` / ``python -m service``: train, validate, env.
+"""``ddp-service`` / ``python -m service``: train, validate, env, launch, doctor.
 
 A thin entrypoint: parse, build, train, close in ``finally``. ``@record``
 makes torchrun report the failing rank's traceback.
@@ -33,13 +33,27 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override one key, e.g. --set train.lr=0.1 (repeatable)")  # fmt: skip
     commands.add_parser("env", help="print the launcher environment this process detected, as JSON")
+    # launch and doctor parse their own options (torchrun's among them): service/launcher.py, service/doctor.py
+    commands.add_parser("launch", add_help=False, help="run the job under torchrun's agent, in one command")
+    commands.add_parser("doctor", add_help=False, help="check this machine and launcher before a job")
     rdzv_admin.add_parser(commands)  # rdzv list|show|retire: service/rendezvous/admin.py
     return parser
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
     env = os.environ if env is None else env
+    if args.command == "launch":
+        from service.launcher import main as launch
+
+        return launch(rest, env)
+    if args.command == "doctor":
+        from service.doctor import main as doctor
+
+        return doctor(rest, env)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "rdzv":
         return rdzv_admin.run(args)
     try:

@@ -47,6 +47,9 @@ class WorldInfo:
     max_restarts: int = 0
     run_id: str | None = None
     use_agent_store: bool = False
+    # The batch system around the launcher ("slurm"), whichever launcher started the processes:
+    # torchrun under srun reads as launcher "torchrun", scheduler "slurm".
+    scheduler: str | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -321,7 +324,12 @@ LAUNCHERS: tuple[Launcher, ...] = (
 def detect_world(env: Mapping[str, str]) -> WorldInfo:
     """Read the first launcher whose variables are present (NoLauncher takes any mapping)."""
     launcher = next(item for item in LAUNCHERS if item.detects(env))
-    return launcher.read(env)
+    return dataclasses.replace(launcher.read(env), scheduler=detect_scheduler(env))
+
+
+def detect_scheduler(env: Mapping[str, str]) -> str | None:
+    """The batch system the processes run in: Slurm sets ``SLURM_JOB_ID`` in every task of a job."""
+    return "slurm" if env.get("SLURM_JOB_ID", "").strip() else None
 
 
 def world_as_dict(info: WorldInfo) -> dict[str, Any]:

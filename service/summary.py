@@ -74,5 +74,6 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
         "launcher": job.world.launcher,
+        "scheduler": job.world.scheduler,
         "device": job.device.type,
     }

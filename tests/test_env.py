@@ -28,10 +28,19 @@ PYTORCHJOB = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MA
     ("env", "expected"),
     [
         (TORCHRUN, WorldInfo("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29500, 2, 3, "job-7", True)),
-        (SRUN, WorldInfo("slurm", 3, 1, 4, 2, 1, "gpu-01", 15000 + 4242, 0, 0, "4242", False)),
-        ({**SRUN, "MASTER_PORT": "1234"}, WorldInfo("slurm", 3, 1, 4, 2, 1, "gpu-01", 1234, 0, 0, "4242")),
-        # torchrun started by srun: torchrun's variables win.
-        ({**SRUN, **TORCHRUN}, WorldInfo("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29500, 2, 3, "job-7", True)),
+        (SRUN, WorldInfo("slurm", 3, 1, 4, 2, 1, "gpu-01", 15000 + 4242, 0, 0, "4242", False, "slurm")),
+        (
+            {**SRUN, "MASTER_PORT": "1234"},
+            WorldInfo("slurm", 3, 1, 4, 2, 1, "gpu-01", 1234, 0, 0, "4242", False, "slurm"),
+        ),
+        # torchrun started by srun: torchrun's variables win, and Slurm is the scheduler around it.
+        (
+            {**SRUN, **TORCHRUN},
+            WorldInfo("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29500, 2, 3, "job-7", True, scheduler="slurm"),
+        ),
+        # Plain python in an salloc shell: a world of one, inside a Slurm job.
+        ({"SLURM_JOB_ID": "7"}, WorldInfo("none", master_addr="127.0.0.1", scheduler="slurm")),
+        ({"SLURM_JOB_ID": " "}, WorldInfo("none", master_addr="127.0.0.1")),
         (PYTORCHJOB, WorldInfo("pytorchjob", 1, 0, 2, 1, 1, "job-master-0", 23456)),
         (
             {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
@@ -40,7 +49,18 @@ PYTORCHJOB = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MA
         ({}, WorldInfo("none", master_addr="127.0.0.1")),
         ({"PATH": "/bin"}, WorldInfo("none", master_addr="127.0.0.1")),
     ],
-    ids=["torchrun", "srun", "srun-port", "torchrun-in-srun", "pytorchjob", "env", "none", "unrelated"],
+    ids=[
+        "torchrun",
+        "srun",
+        "srun-port",
+        "torchrun-in-srun",
+        "salloc",
+        "blank-job-id",
+        "pytorchjob",
+        "env",
+        "none",
+        "unrelated",
+    ],  # fmt: skip
 )
 def test_detects(env, expected):
     assert detect_world(env) == expected
@@ -92,6 +112,7 @@ def test_env_command_prints_detected_world_as_json():
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     data = json.loads(out)
     assert data["launcher"] == "slurm" and data["rank"] == 3 and data["master_addr"] == "gpu-01"
+    assert data["scheduler"] == "slurm"
 
 
 def test_env_command_reports_bad_value():

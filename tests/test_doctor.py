@@ -1,0 +1,127 @@
+"""``ddp-service doctor`` against real causes: a live and a stopped etcd (plain and TLS), a closed master port,
+a full tmpfs as run_dir, a busy metrics port and a small tmpfs as /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import fill
+from rendezvous.conftest import EtcdMember, free_port, make_tls_files, require_etcd, require_openssl, start_single
+
+from service.config import load_config
+from service.doctor import main
+from service.doctor_checks import batch_bytes, check_shm
+from service.tasks.loader import load_task
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdMember]:
+    member = start_single(require_etcd(), tmp_path)
+    yield member
+    member.kill()
+
+
+def doctor(capsys, *argv: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict]]:
+    """Run the real command in this process; returns the exit code and the checks by name."""
+    code = main(["--json", *argv], env or {})
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] == (code == 0)
+    checks = {check["name"]: check for check in report["checks"]}
+    for check in checks.values():
+        assert (check["status"] == "fail") == bool(check["fix"]), check  # a fix for every failed check, only there
+    return code, checks
+
+
+def failed(checks: dict[str, dict]) -> list[str]:
+    return [name for name, check in checks.items() if check["status"] == "fail"]
+
+
+def test_a_healthy_node_passes_every_check_and_measures_no_clock_skew(etcd, tmp_path, capsys):
+    port = free_port()
+    code, checks = doctor(capsys, "--rdzv-backend=etcd3", f"--rdzv-endpoint={etcd.endpoint}", "--nnodes=2",
+                          "--set", f"run_dir={tmp_path / 'run'}", "--set", f"metrics.port={port}",
+                          "--set", "data.num_workers=1")  # fmt: skip
+    assert code == 0 and not failed(checks), checks
+    assert checks["etcd health"]["detail"].startswith("etcd 3.")
+    assert f"127.0.0.1:{port}-{port + 1} are free for 2 local rank(s)" in checks["metrics ports"]["detail"]
+    skew = checks["clock skew"]["detail"]
+    milliseconds = int(skew.split(" ms")[0])
+    assert abs(milliseconds) < 250, skew  # etcd runs on this machine's clock
+
+
+def test_a_stopped_etcd_fails_the_endpoint_check_with_a_fix(etcd, tmp_path, capsys):
+    endpoint = etcd.endpoint
+    etcd.kill()
+    code, checks = doctor(capsys, "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}", "--nnodes=2",
+                          "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert code == 1 and failed(checks) == [f"etcd {endpoint}"], checks
+    assert checks[f"etcd {endpoint}"]["detail"] == "cannot be reached: refused"
+    assert "etcd health" not in checks
+    assert main(["--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}", "--nnodes=2"], {}) == 1
+    table = capsys.readouterr().out
+    assert f"FAIL    etcd {endpoint}" in table and "fix: Start etcd there" in table and "1 check(s) failed." in table
+
+
+def test_etcd_over_tls_is_checked_with_the_rendezvous_tls_options(tmp_path, capsys):
+    tls = make_tls_files(require_openssl(), tmp_path / "tls")
+    member = start_single(require_etcd(), tmp_path, tls=tls)
+    try:
+        conf = f"cacert={tls.ca},cert={tls.client_cert},key={tls.client_key}"
+        code, checks = doctor(capsys, "--rdzv-backend=etcd3", f"--rdzv-endpoint={member.endpoint}",
+                              f"--rdzv-conf={conf}", "--nnodes=2", "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+        assert code == 0, checks
+        assert checks["clock skew"]["status"] == "ok"  # over https, with the client certificate
+        wrong_ca = f"cacert={tls.other_ca},cert={tls.client_cert},key={tls.client_key},read_timeout=1"
+        code, checks = doctor(capsys, "--rdzv-backend=etcd3", f"--rdzv-endpoint={member.endpoint}", "--nnodes=2",
+                              f"--rdzv-conf={wrong_ca}", "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+        assert code == 1 and failed(checks) == ["etcd health"], checks  # a CA that did not sign etcd's certificate
+    finally:
+        member.kill()
+
+
+def test_a_closed_master_port_fails_on_a_non_zero_rank(tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    code, checks = doctor(capsys, "--set", f"run_dir={tmp_path / 'run'}", env=env)
+    assert code == 1 and failed(checks) == ["master"], checks
+    assert checks["master"]["detail"] == f"127.0.0.1:{port} cannot be reached: refused"
+    with socket.create_server(("127.0.0.1", port)):  # now rank 0's store listens
+        code, checks = doctor(capsys, "--set", f"run_dir={tmp_path / 'run'}", env=env)
+    assert code == 0, checks
+
+
+def test_a_full_filesystem_fails_the_run_dir_check(small_fs, capsys):
+    root = small_fs(size="2m")
+    args = ("--set", f"run_dir={root / 'run'}", "--set", "checkpoint.keep=3")
+    code, checks = doctor(capsys, *args)
+    assert code == 0 and "checkpoint.keep=3 needs" in checks["run_dir"]["detail"], checks
+    fill(root, leave=64 * 1024)
+    code, checks = doctor(capsys, *args)
+    assert code == 1 and failed(checks) == ["run_dir"], checks
+    assert "lower checkpoint.keep" in checks["run_dir"]["fix"]
+
+
+def test_a_busy_metrics_port_fails_naming_the_port_and_local_rank(tmp_path, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        busy = server.getsockname()[1]
+        code, checks = doctor(capsys, "--nproc-per-node=2", "--set", f"metrics.port={busy - 1}",
+                              "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert code == 1 and failed(checks) == ["metrics ports"], checks
+    assert checks["metrics ports"]["detail"] == f"in use or not bindable on 127.0.0.1: {busy} (local rank 1)"
+
+
+def test_a_small_dev_shm_fails_against_the_dataloader_workers(small_fs):
+    shm = small_fs(size="1m")
+    config = load_config(None, ["data.num_workers=4", "train.batch_size=64"])
+    task = load_task(config.task, config.seed, config.task_options)
+    one_batch = batch_bytes(task, 64)
+    assert one_batch > 0
+    result = check_shm(config, 2, one_batch, shm=shm)
+    assert result.status == "fail" and "--shm-size" in result.fix, result
+    assert check_shm(load_config(None, ["data.num_workers=0"]), 2, one_batch, shm=shm).status == "ok"

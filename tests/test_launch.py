@@ -1,0 +1,234 @@
+"""``ddp-service launch``: the option split and the exit codes (units), and real launches to completion,
+a bad config, a signal mid-run and torchrun options that reach the agent (e2e)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import QUICK, REPO, child_env, kill_group, read_summary
+from hypothesis import given
+from hypothesis import strategies as st
+from procs import worker_pids
+from test_resume_e2e import LineWatcher
+
+from service.launcher import LaunchError, Outcome, exit_code, parse_request
+from service.preemption import EXIT_PREEMPTED
+
+SHAPES = str(REPO / "examples" / "shapes.yaml")
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_the_job_file_and_set_are_split_from_torchrun_options_wherever_they_stand():
+    request = parse_request(
+        ["--set", "a.b=1", "--nnodes", "1", "job.yaml", "--max-restarts", "3", "--set", "c=2", "--tee=3"], {}
+    )
+    assert request.config_path == "job.yaml"
+    assert request.overrides == ("a.b=1", "c=2")
+    options = request.torchrun
+    assert (options.nnodes, options.max_restarts, options.tee) == ("1", 3, "3")
+    assert (options.module, options.training_script) == (True, "service")
+    assert options.training_script_args == ["train", "job.yaml", "--set", "a.b=1", "--set", "c=2"]
+    assert "SIGUSR1" in options.signals_to_handle.split(",")
+
+
+TORCHRUN_OPTIONS = [["--nnodes", "1:3"], ["--max-restarts=3"], ["--tee", "3"], ["--monitor-interval", "0.5"],
+                    ["--log-dir", "/tmp/logs"], ["--rdzv-backend=c10d"], ["--rdzv-id", "j"], ["--role=r"]]  # fmt: skip
+
+
+@given(
+    st.lists(st.sampled_from(TORCHRUN_OPTIONS), max_size=4, unique_by=lambda chunk: chunk[0].split("=")[0]),
+    st.lists(st.from_regex(r"[a-z]{1,6}\.[a-z]{1,6}=[a-z0-9]{1,4}", fullmatch=True), max_size=3),
+    st.booleans(),
+    st.randoms(use_true_random=False),
+)
+def test_any_interleaving_of_job_file_set_and_torchrun_options_splits_as_torchrun_reads_them(
+    options, overrides, with_file, rng
+):
+    """Whatever the order on the line, torchrun's options come out as torchrun's own parser reads them alone."""
+    from torch.distributed.run import get_args_parser
+
+    chunks = [list(chunk) for chunk in options] + [["--set", override] for override in overrides]
+    rng.shuffle(chunks)
+    if with_file:
+        chunks.insert(rng.randint(0, len(chunks)), ["job.yaml"])
+    request = parse_request([token for chunk in chunks for token in chunk], {})
+    assert request.config_path == ("job.yaml" if with_file else None)
+    assert request.overrides == tuple(o for chunk in chunks if chunk[0] == "--set" for o in chunk[1:])
+    alone = vars(get_args_parser().parse_args([t for chunk in options for t in chunk] + ["-m", "service"]))
+    ours = vars(request.torchrun)
+    for name in ("nnodes", "max_restarts", "tee", "monitor_interval", "log_dir", "rdzv_backend", "rdzv_id", "role"):
+        assert ours[name] == alone[name], name
+
+
+def test_one_node_without_rendezvous_options_is_standalone_and_any_rendezvous_option_is_kept():
+    assert parse_request(["--nproc-per-node=2"], {}).torchrun.standalone
+    for given_options in (["--rdzv-backend=c10d", "--rdzv-endpoint=h:1"], ["--master-port=29555"],
+                          ["--nnodes=2", "--node-rank=1"]):  # fmt: skip
+        options = parse_request(["--nproc-per-node=2", *given_options], {}).torchrun
+        assert not options.standalone, given_options
+    c10d = parse_request(["--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=j"], {}).torchrun
+    assert (c10d.rdzv_backend, c10d.rdzv_endpoint, c10d.rdzv_id) == ("c10d", "h:29400", "j")
+
+
+def test_auto_is_the_gpu_count_or_two_cpu_processes_and_says_so(monkeypatch):
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    request = parse_request([], {})
+    assert request.torchrun.nproc_per_node == str(gpus or 2)
+    said = f"{gpus} GPU(s) visible, one process each" if gpus else "no GPU visible, so 2 CPU processes"
+    assert any(said in note for note in request.notes), request.notes
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")  # torchrun's parser reads its PET_ defaults from os.environ
+    assert parse_request([], os.environ).torchrun.nproc_per_node == "3"
+    explicit = parse_request(["--signals-to-handle=SIGTERM"], {}).torchrun.signals_to_handle
+    assert explicit == "SIGTERM"  # an explicit list passes through unchanged
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["a.yaml", "b.yaml"], "Two job files were given, 'a.yaml' and 'b.yaml'"),
+        (["-m", "other"], "-m/--module is not a launch option"),
+        (["--nnodes=x"], "--nnodes='x' is not a node count"),
+        (["--nnodes=3:2"], "needs 0 < MIN <= MAX"),
+        (["--nproc-per-node=0"], "--nproc-per-node=0 must be at least 1"),
+        (["--nproc-per-node=many"], "--nproc-per-node='many' is not a process count"),
+        (["--max-restarts=-1"], "--max-restarts=-1 is negative"),
+    ],
+)
+def test_bad_launch_options_are_refused_naming_the_option(argv, needle):
+    with pytest.raises(LaunchError) as caught:
+        parse_request(argv, {})
+    assert needle in str(caught.value)
+
+
+codes = st.lists(st.sampled_from([1, 2, 75, -9, -15, 137]), max_size=4).map(tuple)
+statuses = st.sampled_from([None, "completed", "preempted", "failed"])
+
+
+@given(codes, st.sampled_from([None, "SIGTERM", "SIGUSR1"]), statuses)
+def test_the_exit_code_tells_completed_preempted_bad_input_and_failed_apart(failed, sig, status):
+    code = exit_code(Outcome(failed, sig, status))
+    assert code in (0, 1, 2, EXIT_PREEMPTED)
+    assert (code == 0) == (not failed and sig is None and status in (None, "completed"))
+    if status == "preempted" or (failed and set(failed) == {EXIT_PREEMPTED}):
+        assert code == EXIT_PREEMPTED  # a checkpoint of the step exists: rerun to resume
+    elif 2 in failed:
+        assert code == 2
+
+
+def test_only_a_summary_written_by_this_start_counts(tmp_path):
+    """A summary left by an earlier run (preempted, say) must not turn this start's failure into a 75."""
+    from service.launcher import _fresh_status
+
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"status": "preempted"}')
+    now = time.time()
+    os.utime(summary, (now - 60, now - 60))
+    assert _fresh_status(summary, since=now) is None
+    assert exit_code(Outcome((1, 1), None, _fresh_status(summary, since=now))) == 1
+    os.utime(summary, (now, now))
+    assert _fresh_status(summary, since=now) == "preempted"
+    assert _fresh_status(tmp_path / "missing.json", since=now) is None
+
+
+# --------------------------------------------------------------------------- real launches
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_cmd(*args: str) -> list[str]:
+    quick = [item for override in QUICK for item in ("--set", override)]
+    return [sys.executable, "-m", "service", "launch", *quick, *args]  # the test's own --set win
+
+
+def start(*args: str) -> tuple[subprocess.Popen, LineWatcher]:
+    proc = subprocess.Popen(launch_cmd(*args), cwd=REPO, env=child_env(PYTHONUNBUFFERED="1"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return proc, LineWatcher(proc)
+
+
+def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 150) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise AssertionError(f"launch ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
+    finally:
+        kill_group(proc)
+
+
+@pytest.mark.e2e
+def test_launch_runs_a_job_to_completion_and_passes_torchrun_options_through(tmp_path):
+    """The job file between torchrun options; c10d, --rdzv-id, --log-dir and --tee reach torchrun's agent."""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    proc, watcher = start(
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=launch-test", SHAPES,
+        "--log-dir", str(log_dir), "--tee=3", "--max-restarts=1", "--set", f"run_dir={run_dir}",
+        "--set", "train.max_steps=4", "--set", "task_options.image_size=16",
+    )  # fmt: skip
+    assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    summary = read_summary(run_dir)
+    assert (summary["status"], summary["world_size"], summary["launcher"]) == ("completed", 2, "torchrun")
+    assert "no GPU visible, so 2 CPU processes" in watcher.text()
+    assert "exit 0 (completed)" in watcher.text()
+    # torchrun's own per-rank log files, under a directory named after the run id that was passed through
+    attempts = sorted(log_dir.glob("launch-test_*/attempt_0"))
+    assert len(attempts) == 1, list(log_dir.rglob("*"))
+    for rank in (0, 1):
+        assert f"[rank {rank}] INFO done: step 4" in (attempts[0] / str(rank) / "stderr.log").read_text()
+
+
+@pytest.mark.e2e
+def test_a_bad_config_exits_2_before_any_worker_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run(launch_cmd("--set", f"run_dir={run_dir}", "--set", "train.lr=-1", "--set", "train.bogus=1"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "train.lr" in done.stderr and "train.bogus: unknown key" in done.stderr
+    assert "[rank" not in done.stderr and not run_dir.exists()  # no worker ran, nothing was written
+    print(f"bad config refused in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.e2e
+def test_sigterm_then_sigusr1_mid_run_exit_75_and_each_start_resumes_from_the_last_checkpoint(tmp_path):
+    """SIGTERM reaches the workers through the agent; SIGUSR1 too (launch adds it to torchrun's list). The second
+    start resumes from the first one's checkpoint, and stops at a later step with a checkpoint of its own."""
+    run_dir = tmp_path / "run"
+    args = ("--set", f"run_dir={run_dir}", "--set", "task=slow_tasks:slow_shapes", "--set", "task_options.sleep=0.05",
+            "--set", "task_options.image_size=16", "--set", "train.max_steps=30", "--set", "train.epochs=10",
+            "--set", "train.log_every=1", "--max-restarts=2")  # fmt: skip
+    summaries = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        proc, watcher = start(*args)
+        try:
+            first = summaries[-1]["stopped_at_step"] + 2 if summaries else 3
+            watcher.wait_for(rf"\[rank 0\] INFO step {first}/", timeout=120)
+            workers = worker_pids(proc.pid)
+            environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+            assert b"TORCHELASTIC_MAX_RESTARTS=2" in environ  # --max-restarts reached the agent
+            os.kill(proc.pid, sig)
+            assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-4000:]
+        finally:
+            kill_group(proc)
+        assert f"got {sig.name} and passed it to the workers" in watcher.text()
+        summaries.append(read_summary(run_dir))
+        stopped = summaries[-1]["stopped_at_step"]
+        assert summaries[-1]["status"] == "preempted" and stopped < 30, summaries[-1]
+        assert (run_dir / "checkpoints" / f"step-{stopped:08d}.pt").is_file()
+    first, second = summaries
+    assert second["resumed_from"]["step"] == first["stopped_at_step"] < second["stopped_at_step"]
