@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
     )
 
 
-def settle_buckets(model: nn.Module, inputs: torch.Tensor, autocast: Any) -> None:
+def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch.Tensor], autocast: Any) -> None:
     """One backward of zeros through DDP before training, so every step of every start sees the same buckets.
 
     DDP regroups its gradient buckets once, after a process's first backward, in the order the gradients
@@ -49,15 +50,18 @@ def settle_buckets(model: nn.Module, inputs: torch.Tensor, autocast: Any) -> Non
     initial layout while the uninterrupted run used the regrouped one: the weights would differ in the last
     bits. This backward, on every start and before any real step, gives every real step the regrouped
     layout. In eval mode (no BatchNorm statistics move, no dropout), under a forked RNG, with a loss of 0 and
-    the gradients dropped after: parameters, buffers, optimizer and RNG are as before.
+    the gradients dropped after: parameters, buffers, optimizer and RNG are as before. ``sample()`` gives one
+    input batch on the model's device (one read of the dataset outside the loader); it is only called where
+    the order matters: 2 numbers add up the same in either order, so worlds of 1 and 2 skip all this.
     """
-    if not isinstance(model, DistributedDataParallel):
+    if not isinstance(model, DistributedDataParallel) or world_size < 3:
         return
     was_training = model.training
     model.eval()
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), autocast():
-        output = model(inputs)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        inputs = sample()  # a dataset may draw random numbers too
+        with autocast():
+            output = model(inputs)
     (output.float().sum() * 0).backward()
     model.zero_grad(set_to_none=True)
     model.train(was_training)

@@ -150,9 +150,8 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
     if resumed is not None:
         restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
     autocast = autocast_factory(train.amp, dist_ctx.device)
-    with torch.random.fork_rng(devices=[]):  # a dataset may draw random numbers; the training RNG stays as it is
-        sample_input = task.train_set[0][0].unsqueeze(0)
-    settle_buckets(model, sample_input.to(dist_ctx.device), autocast)  # resume bit-exact at any world size
+    # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
+    settle_buckets(model, world.world_size, lambda: task.train_set[0][0].unsqueeze(0).to(dist_ctx.device), autocast)
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
     job = Job(
         config=config,

@@ -16,7 +16,8 @@ from conftest import QUICK, REPO, child_env, kill_group, read_summary
 from hypothesis import given
 from hypothesis import strategies as st
 from procs import worker_pids
-from test_resume_e2e import LineWatcher
+from test_resume_e2e import LineWatcher, watch
+from test_resume_e2e import finish as finish_watched
 
 from service.launcher import LaunchError, Outcome, exit_code, parse_request
 from service.preemption import EXIT_PREEMPTED
@@ -156,17 +157,12 @@ def launch_cmd(*args: str) -> list[str]:
 
 
 def start(*args: str) -> tuple[subprocess.Popen, LineWatcher]:
-    proc = subprocess.Popen(launch_cmd(*args), cwd=REPO, env=child_env(PYTHONUNBUFFERED="1"), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    return proc, LineWatcher(proc)
+    return watch(launch_cmd(*args))
 
 
 def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 150) -> int:
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        raise AssertionError(f"launch ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
+        return finish_watched(proc, watcher, timeout)
     finally:
         kill_group(proc)
 

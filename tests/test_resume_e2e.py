@@ -52,11 +52,15 @@ class LineWatcher:
         return "".join(line for _, line in self.lines)
 
 
-def start(run_dir: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ("--standalone",)):
-    cmd = torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, launcher=launcher)
+def watch(cmd: list[str]) -> tuple[subprocess.Popen, LineWatcher]:
+    """Start ``cmd`` in its own session, its output read line by line as it comes."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     return proc, LineWatcher(proc)
+
+
+def start(run_dir: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ("--standalone",)):
+    return watch(torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, launcher=launcher))
 
 
 def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -> int:
@@ -64,7 +68,7 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        raise AssertionError(f"torchrun ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
+        raise AssertionError(f"{proc.args[2:5]} ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
 
 
 def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str) -> dict:
