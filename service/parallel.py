@@ -13,6 +13,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from service.config import DDPConfig, TrainConfig
 from service.env import EnvError, WorldInfo
+from service.errors import backward
 from service.syncbn import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch
         inputs = sample()  # a dataset may draw random numbers too
         with autocast():
             output = model(inputs)
-    (output.float().sum() * 0).backward()
+    backward(output.float().sum() * 0)  # the in-place error gets its hint here too
     model.zero_grad(set_to_none=True)
     model.train(was_training)
 

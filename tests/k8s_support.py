@@ -63,14 +63,30 @@ def find(docs: Iterable[dict], kind: str, name: str | None = None) -> dict:
     return found[0]
 
 
+def shared_k8s_candidates() -> list[Path]:
+    """Where ../shared/k8s may be: next to this checkout, or next to the local repository it was cloned from
+    (a fresh clone for CI may stand anywhere, e.g. under /tmp, while its origin sits beside ../shared)."""
+    candidates = [SHARED_K8S]
+    done = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"], capture_output=True,
+                          text=True, timeout=10)  # fmt: skip
+    origin = done.stdout.strip().removeprefix("file://")
+    if done.returncode == 0 and origin and "://" not in origin and Path(origin).is_dir():
+        candidates.append(Path(origin).resolve().parent / "shared" / "k8s")
+    return candidates
+
+
 def require_shared_k8s() -> Path:
     """../shared/k8s with the CRDs; a skip that says why, or a failure under CI=true."""
-    if not (SHARED_K8S / "README.md").is_file():
-        message = f"{SHARED_K8S} (the CRD schemas the manifests are checked against) is absent."
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return SHARED_K8S
+    candidates = shared_k8s_candidates()
+    for candidate in candidates:
+        if (candidate / "README.md").is_file():
+            return candidate
+    where = " and ".join(map(str, candidates))
+    message = (f"{where}: absent, and with them the CRD schemas the manifests are checked against "
+               "(../shared/k8s beside this checkout or beside the repository it was cloned from).")  # fmt: skip
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def strict(schema: Any) -> Any:
@@ -256,11 +272,14 @@ class LocalPod:
     def env(self) -> dict[str, str]:
         own = container_env(self.container, self.fields)
         merged = {**self.image.env, **own, **self.operator_env}
+        env = {key: _replace_hosts(_replace_paths(value, self.mounts), self.hosts) for key, value in merged.items()}
+        # This machine's own paths, added after the container paths are mapped: a checkout under /tmp must
+        # not have its venv mapped into the pod's /tmp emptyDir.
         bin_dir = str(Path(sys.executable).parent)
-        merged.update(PATH=f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", HOME=str(self.workdir),
-                      OMP_NUM_THREADS="1", LOGLEVEL="INFO",
-                      PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "tasks")]))  # fmt: skip
-        return {key: _replace_hosts(_replace_paths(value, self.mounts), self.hosts) for key, value in merged.items()}
+        env.update(PATH=f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", HOME=str(self.workdir),
+                   OMP_NUM_THREADS="1", LOGLEVEL="INFO",
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "tasks")]))  # fmt: skip
+        return env
 
     def argv(self) -> list[str]:
         command = self.container.get("command") or self.image.entrypoint

@@ -375,9 +375,11 @@ def test_restart_shows_as_restarts_metric_not_as_a_negative_rate(tmp_path: Path)
 
         def restarted() -> bool:
             values = by_rank(prom.query(f'ddp_train_restarts{{run_id="{run_id}"}}'))
-            return values == {0: 1.0, 1: 1.0} and len(prom.query(f"{samples} > 0")) == 2
+            if values == {0: 1.0, 1: 1.0} and len(prom.query(f"{samples} > 0")) == 2:
+                return True
+            raise ValueError(f"restarts by rank {values}; the agent's log:\n{agent.log()[-2500:]}")
 
-        wait_until(restarted, 60, f"ddp_train_restarts = 1 from both new workers:\n{agent.log()[-2000:]}")
+        wait_until(restarted, 60, "ddp_train_restarts = 1 from both new workers")
         time.sleep(4)
         assert agent.proc.poll() is None, agent.log()[-3000:]
         window = f"{int(time.time() - killed_at) + 10}s"
