@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pyetcd
@@ -118,6 +118,32 @@ class EtcdClient:
         except Exception:  # closing is best effort
             log.debug("Closing the etcd client failed.", exc_info=True)
 
+    def list_prefix(self, prefix: bytes, what: str) -> tuple[int, list[Any]]:
+        """(revision, key-values) of every key under ``prefix``, read at one revision."""
+        response = self.call(lambda c: c.get_prefix_response(prefix), what)
+        return int(response.header.revision), list(response.kvs)
+
+    def watch_prefix(self, prefix: bytes, start_revision: int, callback: Callable[[Any], None], what: str) -> Any:
+        """Watch ``prefix`` from ``start_revision`` on a watcher of its own; returns it (``close()`` ends it).
+
+        A watcher of its own carries the current login token and channel, so one
+        made after a re-login or a fail-over works where pyetcd's shared one would not.
+        ``callback`` gets pyetcd's ``WatchResponse`` objects, then an exception or
+        ``None`` once when the stream ends.
+        """
+        end = _prefix_end(prefix)
+
+        def create(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
+            watcher = c.get_watcher()
+            try:
+                watcher.add_callback(prefix, callback, range_end=end, start_revision=start_revision)
+            except BaseException:
+                watcher.close()
+                raise
+            return watcher
+
+        return self.call(create, what)
+
     def call(self, op: Callable[[pyetcd.MultiEndpointEtcd3Client], T], what: str, retry: bool = True) -> T:
         """Run ``op`` against etcd; retry transient errors inside the grace window.
 
@@ -153,6 +179,9 @@ class EtcdClient:
             if not isinstance(exc, etcd_exc.NoServerAvailableError):
                 self._last_error = _describe(exc)
             raise EtcdUncertainError(str(exc)) from exc
+        except etcd_exc.WatchTimedOut as exc:
+            self._mark_failed()
+            raise EtcdUncertainError(f"creating a watch timed out: {exc}") from exc
         except ValueError as exc:
             if not is_failed_node_error(exc):
                 raise
@@ -281,6 +310,21 @@ def _describe(exc: BaseException) -> str:
         code, details = _code_and_details(context)
         return f"{exc}: {code.name}: {details}"
     return str(exc)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix``."""
+    data = bytearray(prefix)
+    for i in reversed(range(len(data))):
+        if data[i] < 0xFF:
+            data[i] += 1
+            return bytes(data[: i + 1])
+    return b"\x00"
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """Public name of :func:`_prefix_end`, for range compares and deletes."""
+    return _prefix_end(prefix)
 
 
 def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
