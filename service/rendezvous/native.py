@@ -51,7 +51,7 @@ from .backend import RunLostError
 from .client import EtcdError, LeaseNotFoundError
 from .lease import NodeLease
 from .mirror import PrefixMirror
-from .records import ClosedRecord, Layout, NodeRecord, SealRecord, parse
+from .records import ClosedRecord, Layout, NodeRecord, SealRecord
 from .rounds import RoundView, latest_sealed, seal_due, try_join, try_seal, view_round
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._addr = local_addr or _hostname()
         self._node = _UNSAFE.sub("_", f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self._share_tcp_store = share_tcp_store
-        self._layout = Layout.of(o.key_prefix, o.run_id)
+        self._layout = Layout.of(o.key_prefix, o.run_id, o.secret)
         self._mirror = PrefixMirror(parts.client, self._layout.base)
         ttl = node_lease_ttl(o.keep_alive_interval, o.keep_alive_max_attempt)
         self._lease = NodeLease(parts.client, ttl, o.keep_alive_interval, self._on_lease_lost)
@@ -141,7 +141,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         self._check()
-        record = ClosedRecord(closed_by=self._node, closed_at=time.time()).model_dump_json().encode()
+        record = self._layout.encode(self._layout.closed, ClosedRecord(closed_by=self._node, closed_at=time.time()))
         for _ in range(3):
             lease_id = self._run_lease_id()
             try:
@@ -240,7 +240,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         self.tries += 1
         if seal is None:
             raise RendezvousConnectionError(f"Joining round {round_no} was refused, but etcd shows no reason.")
-        return parse(SealRecord, seal, self._layout.seal_key(round_no))
+        return self._layout.decode(SealRecord, seal, self._layout.seal_key(round_no))
 
     def _wait_for_seal(self, round_no: int, deadline: float) -> SealRecord:
         due_since: float | None = None

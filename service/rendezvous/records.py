@@ -11,18 +11,27 @@ Under ``<key_prefix>/<run_id>/rdzv/``:
 Round numbers are zero-padded, so keys sort by round. Every value is JSON
 validated by pydantic; nothing read from etcd is unpickled. A value that does
 not validate is refused with :class:`RecordError`, naming the key.
+
+With a signing secret (``secret_file``/``secret_env``), every value is written
+as ``ddp-hmac1:<HMAC-SHA256 over key and body>:<JSON>`` and a value whose
+signature is missing or wrong is refused, so a writer without the secret
+cannot plant members or seals. Without a secret, a signed value is refused too
+(the agents disagree about the secret).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
 _ROUND_WIDTH = 12
+_SIGNED = b"ddp-hmac1:"
 M = TypeVar("M", bound="BaseModel")
 NODE_ID = re.compile(r"^[A-Za-z0-9_.:\[\]-]{1,200}$")
 
@@ -77,15 +86,46 @@ def parse(model: type[M], raw: bytes, key: bytes) -> M:
 
 @dataclass(frozen=True)
 class Layout:
-    """Key names of one run's native rendezvous."""
+    """Key names of one run's native rendezvous, and how its values are written and read."""
 
     base: bytes  # <key_prefix>/<run_id>/rdzv/
+    secret: bytes | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, key_prefix: str, run_id: str) -> Layout:
+    def of(cls, key_prefix: str, run_id: str, secret: bytes | None = None) -> Layout:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
-        return cls(f"{key_prefix.rstrip('/')}/{run_id}/rdzv/".encode())
+        return cls(f"{key_prefix.rstrip('/')}/{run_id}/rdzv/".encode(), secret)
+
+    def encode(self, key: bytes, record: BaseModel) -> bytes:
+        """The value to store under ``key``: JSON, signed when there is a secret."""
+        body = record.model_dump_json().encode()
+        if self.secret is None:
+            return body
+        return _SIGNED + _mac(self.secret, key, body).encode() + b":" + body
+
+    def decode(self, model: type[M], raw: bytes, key: bytes) -> M:
+        """The record under ``key``; :class:`RecordError` if unsigned, badly signed, or not valid."""
+        name = key.decode(errors="replace")
+        if raw.startswith(_SIGNED):
+            if self.secret is None:
+                raise RecordError(
+                    f"The rendezvous key {name} holds a signed value, but this agent has no signing secret; "
+                    "give every agent the same 'secret_file' or 'secret_env'."
+                )
+            mac, sep, body = raw[len(_SIGNED) :].partition(b":")
+            if not sep or not hmac.compare_digest(mac, _mac(self.secret, key, body).encode()):
+                raise RecordError(
+                    f"The rendezvous key {name} holds a value whose signature does not match this agent's "
+                    "secret: it was forged or written with another secret. Nothing from it was used."
+                )
+            raw = body
+        elif self.secret is not None:
+            raise RecordError(
+                f"The rendezvous key {name} holds an unsigned value, but this run is signed; someone without "
+                "the secret wrote it. Nothing from it was used."
+            )
+        return parse(model, raw, key)
 
     @property
     def rounds(self) -> bytes:
@@ -123,3 +163,8 @@ class Layout:
             return None
         tail = key[len(self.seals) :]
         return int(tail) if tail.isdigit() else None
+
+
+def _mac(secret: bytes, key: bytes, body: bytes) -> str:
+    """HMAC-SHA256 over the key and the body, so a value cannot move to another key or run."""
+    return hmac.new(secret, key + b"\0" + body, hashlib.sha256).hexdigest()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .client import EtcdClient, prefix_end
 from .mirror import Entry
-from .records import Layout, NodeRecord, SealRecord, parse
+from .records import Layout, NodeRecord, SealRecord
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,15 @@ def view_round(layout: Layout, entries: dict[bytes, Entry], round_no: int) -> Ro
         if r < round_no:
             earlier += 1
         elif r == round_no:
-            record = parse(NodeRecord, entry.value, key)
+            record = layout.decode(NodeRecord, entry.value, key)
             joined.append(Joiner(entry.create_revision, node, record.addr))
     joined.sort(key=lambda j: (j.create_revision, j.node))
     seal_entry = entries.get(layout.seal_key(round_no))
-    seal = None if seal_entry is None else parse(SealRecord, seal_entry.value, layout.seal_key(round_no))
+    seal = None if seal_entry is None else layout.decode(SealRecord, seal_entry.value, layout.seal_key(round_no))
     prev_entry = entries.get(layout.seal_key(round_no - 1)) if round_no > 0 else None
-    previous = None if prev_entry is None else parse(SealRecord, prev_entry.value, layout.seal_key(round_no - 1))
+    previous = (
+        None if prev_entry is None else layout.decode(SealRecord, prev_entry.value, layout.seal_key(round_no - 1))
+    )
     return RoundView(
         round=round_no,
         joined=tuple(joined),
@@ -120,7 +122,7 @@ def try_join(
     """
     tx = client.raw.transactions
     key = layout.node_key(round_no, record.node)
-    success = [tx.put(key, record.model_dump_json().encode(), lease=lease_id)]
+    success = [tx.put(key, layout.encode(key, record), lease=lease_id)]
     if leave is not None and leave != key:
         success.insert(0, tx.delete(leave))
     won, responses = client.call(
@@ -152,7 +154,8 @@ def try_seal(
         sealed_at=time.time(),
     )
     round_prefix = layout.round_prefix(view.round)
-    success = [tx.put(layout.seal_key(view.round), record.model_dump_json().encode(), lease=lease_id)]
+    seal_key = layout.seal_key(view.round)
+    success = [tx.put(seal_key, layout.encode(seal_key, record), lease=lease_id)]
     if view.round >= 2:  # seals older than the previous round are no longer read by anyone
         success.append(tx.delete(layout.seals, range_end=layout.seal_key(view.round - 1)))
     won, _ = client.call(
