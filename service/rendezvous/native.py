@@ -116,7 +116,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._start()
             deadline = time.monotonic() + self._parts.options.join_timeout
-            self._round, self._members = None, []
+            self._round, self._members, self._seal_created = None, [], 0
             try:
                 round_no, seal = self._join_and_wait(deadline)
             except RunLostError:
