@@ -109,11 +109,16 @@ def _child(impl: str, endpoint: str, run_id: str, n: int, min_nodes: int, index:
         time.sleep(max(0.0, start_at - time.time()))
         begin = time.time()
         info = handler.next_rendezvous()
-        conn.send({"seconds": time.time() - begin, "world": info.world_size, "rank": info.rank, **counts})
-        if go.wait(timeout=3600):  # recovery: every survivor re-joins at once, as after a worker failure
+        took = time.time() - begin
+        if impl == "native":
+            counts["writes"] = handler.writes
+        conn.send({"seconds": took, "world": info.world_size, "rank": info.rank, **counts})
+        while not (go.is_set() or release.is_set()):
+            time.sleep(0.01)
+        if not release.is_set():  # recovery: every survivor re-joins at once, as after a worker failure
             info = handler.next_rendezvous()
             conn.send({"done": time.time(), "world": info.world_size})
-        release.wait(timeout=3600)
+            release.wait(timeout=3600)
     except BaseException as exc:  # report, never hang the parent
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
     finally:

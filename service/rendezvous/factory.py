@@ -110,12 +110,14 @@ def build_handler(params: RendezvousParameters, share_tcp_store: bool = False) -
         from .native import NativeRendezvousHandler
 
         try:
-            return NativeRendezvousHandler(
+            handler = NativeRendezvousHandler(
                 parts, params.min_nodes, params.max_nodes, params.local_addr, share_tcp_store=share_tcp_store
             )
         except BaseException:
             parts.close()
             raise
+        handler.start()  # its lease and its watch now, so a broken etcd fails the agent at start
+        return handler
     return _dynamic_handler(parts, params)
 
 

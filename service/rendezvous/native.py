@@ -95,6 +95,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._tcp_store: dist.TCPStore | None = None
         self._bootstrap: RendezvousStoreInfo | None = None
         self.tries = 0  # seal and join transactions that lost a race, for the benchmark
+        self.writes = 0  # join and seal transactions sent
 
     # -- torch's interface ------------------------------------------------------
     def get_backend(self) -> str:
@@ -114,7 +115,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
-            self._start()
+            self.start()
             deadline = time.monotonic() + self._parts.options.join_timeout
             self._round, self._members, self._seal_created = None, [], 0
             try:
@@ -135,7 +136,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         self._check()
-        self._start()
+        self.start()
         with self._mirror.cond:
             return self._layout.closed in self._mirror.items()
 
@@ -158,7 +159,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         self._check()
-        self._start()
+        self.start()
         with self._mirror.cond:
             entries = self._mirror.items()
             if self._layout.closed in entries:
@@ -168,9 +169,10 @@ class NativeRendezvousHandler(RendezvousHandler):
                 return len(view_round(self._layout, entries, 0 if newest is None else newest + 1).joined)
             self._guard(entries)
             waiting = 0
-            for key in entries:
+            for key, entry in entries.items():
                 parsed = self._layout.parse_node_key(key)
                 if parsed is not None and parsed[0] > self._round:
+                    self._layout.decode(NodeRecord, entry.value, key)  # a planted value is refused, not counted
                     waiting += 1
             departed = sum(
                 1 for m in self._members if m != self._node and self._layout.node_key(self._round, m) not in entries
@@ -199,13 +201,15 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._parts.close()
 
     # -- joining ----------------------------------------------------------------
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Grant this node's lease and start watching the run's keys (once); closes everything on failure."""
         if self._started:
             return
         try:
             self._lease.grant()
             self._mirror.start()
         except EtcdError as exc:
+            self.close()
             raise _connection_error(exc) from exc
         self._started = True
 
@@ -226,6 +230,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         record = NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no)
         try:
             lease_id = self._lease.grant()
+            self.writes += 1
             joined, seal, closed = try_join(self._parts.client, self._layout, round_no, record, lease_id, self._key)
             if joined:
                 self._key, self._joined_at = self._layout.node_key(round_no, self._node), joined
@@ -286,6 +291,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def _seal(self, view: RoundView, revision: int) -> None:
         lease_id = self._run_lease_id()
+        self.writes += 1
         try:
             if not try_seal(self._parts.client, self._layout, view, revision, self._max, self._node, lease_id):
                 self.tries += 1
