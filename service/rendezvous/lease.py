@@ -179,6 +179,7 @@ class NodeLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None
+        self.unavailable: EtcdError | None = None  # set while refreshing fails past the client's grace window
 
     @property
     def ttl(self) -> int:
@@ -211,9 +212,15 @@ class NodeLease:
                 return
             try:
                 responses = self._refresh(lease_id)
+            except EtcdError as exc:  # etcd gone beyond the grace window: the rendezvous reports it
+                self.unavailable = exc
+                self._on_lost("")
+                log.warning("Refreshing the node lease failed; retrying: %s", exc)
+                continue
             except Exception:  # a missed refresh is retried at the next interval
                 log.warning("Refreshing the node lease failed; retrying.", exc_info=True)
                 continue
+            self.unavailable = None
             if not responses or responses[0].TTL <= 0:
                 self.lost = f"its node lease {lease_id:x} expired or was revoked in etcd"
                 self._on_lost(self.lost)

@@ -276,7 +276,12 @@ class NativeRendezvousHandler(RendezvousHandler):
                 self._seal(view, revision)
                 continue
             with mirror.cond:
-                if mirror.revision == revision and mirror.error is None and self._lease.lost is None:
+                if (
+                    mirror.revision == revision
+                    and mirror.error is None
+                    and self._lease.lost is None
+                    and (self._lease.unavailable is None)
+                ):
                     mirror.cond.wait(max(0.0, min(deadline, wake if wake is not None else deadline) - now))
 
     def _seal_wake(self, view: RoundView, due: str | None, due_since: float | None) -> float | None:
@@ -343,8 +348,9 @@ class NativeRendezvousHandler(RendezvousHandler):
             raise self._lose(f"its node key in round {self._round} vanished")
 
     def _on_lease_lost(self, reason: str) -> None:
+        """The node lease is gone (``reason``), or etcd unreachable past the grace window (no reason): wake waiters."""
         with self._mirror.cond:
-            if self._round is not None or self._key is not None:
+            if reason and (self._round is not None or self._key is not None):
                 self._lost = self._lost or self._lost_error(reason)
             self._mirror.cond.notify_all()
 
@@ -373,6 +379,8 @@ class NativeRendezvousHandler(RendezvousHandler):
             raise RunLostError(str(self._lost))
         if self._mirror.error is not None:
             raise _connection_error(self._mirror.error)
+        if self._lease.unavailable is not None:
+            raise _connection_error(self._lease.unavailable)
 
     def _closed_error(self) -> RendezvousClosedError:
         return RendezvousClosedError(

