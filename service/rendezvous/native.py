@@ -363,8 +363,8 @@ class NativeRendezvousHandler(RendezvousHandler):
         return RunLostError(
             f"The rendezvous run '{o.run_id}' is gone for this node: {what} while it was part of the run "
             "(its lease expired while the agent stalled, or the lease was revoked, or the run's keys were "
-            "deleted). This agent stops its workers and exits so that no second world trains under the same "
-            "run id. To reuse a run id, let its job finish and then run "
+            "deleted). This agent stops its workers and exits to avoid a split brain, a second world training "
+            "under the same run id. To reuse a run id, let its job finish and then run "
             f"'ddp-service rdzv retire --endpoint HOST:PORT --prefix {o.key_prefix} {o.run_id}'."
         )
 

@@ -13,8 +13,9 @@ one transaction that writes its :class:`SealRecord` only if
 * no node key is left in an earlier round: every member of the previous round
   has either moved on to ``t`` or died (its key went with its lease).
 
-Members are the first ``max_nodes`` joiners in ``create_revision`` order, and
-their rank is their position. Every node reads the same sealed record.
+Members are the first ``max_nodes`` joiners in ``create_revision`` order;
+ranks follow the node ids (which start with the node's address), as torch's
+own handler sorts its participants. Every node reads the same sealed record.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def try_seal(
 ) -> bool:
     """Seal ``view.round`` with its first ``max_nodes`` joiners, if nothing changed after revision ``decided_at``."""
     tx = client.raw.transactions
-    members = view.members(max_nodes)
+    # Members: the first max_nodes joiners. Ranks: by node id (address first), as torch's own handler sorts them.
+    members = sorted(view.members(max_nodes), key=lambda j: j.node)
     record = SealRecord(
         round=view.round,
         members=[m.node for m in members],

@@ -142,7 +142,7 @@ def test_two_sealers_that_both_see_max_nodes_seal_once_and_read_the_same_record(
         assert sorted(won) == [False, True], won
         records = [_view(c, layout, 0)[1].seal for c in clients]
         assert records[0] is not None and records[0] == records[1]
-        assert records[0].members == ["b-node", "a-node"]  # the first two by join revision; rank = position
+        assert records[0].members == ["a-node", "b-node"]  # the first two joiners, ranked by node id
     finally:
         for lease in leases:
             lease.revoke()
@@ -219,7 +219,7 @@ def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_ser
         try:
             a.num_nodes_waiting()
         except RunLostError as exc:
-            return "gone for this node" in str(exc) and "no second world" in str(exc)
+            return "gone for this node" in str(exc) and "split brain" in str(exc)
         return False
 
     wait_until(a_lost, 5)
