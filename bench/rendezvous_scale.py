@@ -81,28 +81,36 @@ def _counters(impl: str) -> dict[str, int]:
     return counts
 
 
-def _handler(impl: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, index: int) -> Any:
+def _handler(impl: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, index: int, limit: float) -> Any:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     if impl == "c10d":
-        conf: dict[str, Any] = {"is_host": "1" if index == 0 else "0", "join_timeout": "600", **LIVENESS}
+        conf: dict[str, Any] = {"is_host": "1" if index == 0 else "0", "join_timeout": str(int(limit)), **LIVENESS}
         conf["last_call_timeout"] = "1"
         return get_rendezvous_handler(
             RendezvousParameters("c10d", endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf)
         )
     params = RendezvousParameters(
-        "etcd3", endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", impl=impl, **LIVENESS
+        "etcd3",
+        endpoint,
+        run_id,
+        min_nodes,
+        max_nodes,
+        local_addr="127.0.0.1",
+        impl=impl,
+        join_timeout=str(limit),
+        **LIVENESS,
     )
     return get_rendezvous_handler(params)
 
 
 def _child(impl: str, endpoint: str, run_id: str, n: int, min_nodes: int, index: int, start_at: float,
-           conn: Any, go: Any, release: Any) -> None:  # fmt: skip
+           limit: float, conn: Any, go: Any, release: Any) -> None:  # fmt: skip
     try:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         counts = _counters(impl)
-        handler = _handler(impl, endpoint, run_id, min_nodes, n, index)
+        handler = _handler(impl, endpoint, run_id, min_nodes, n, index, limit)
         time.sleep(max(0.0, start_at - time.time()))
         begin = time.time()
         info = handler.next_rendezvous()
@@ -134,7 +142,9 @@ def etcd_status(endpoint: str) -> dict[str, int]:
             "db_in_use": int(status.get("dbSizeInUse", status["dbSize"]))}  # fmt: skip
 
 
-def one_point(impl: str, n: int, endpoint: str, steady: float, recovery: bool, margin: float) -> dict[str, Any]:
+def one_point(
+    impl: str, n: int, endpoint: str, steady: float, recovery: bool, margin: float, limit: float
+) -> dict[str, Any]:
     """Fork ``n`` handlers (min = max = n; min = n - 1 with ``recovery``) and measure one round."""
     if impl == "c10d":
         from torch.distributed.elastic.utils.distributed import get_free_port
@@ -147,14 +157,14 @@ def one_point(impl: str, n: int, endpoint: str, steady: float, recovery: bool, m
     pipes, procs = [], []
     for i in range(n):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        args = (impl, endpoint, run_id, n, n - 1 if recovery else n, i, start_at, child_end, go, release)
+        args = (impl, endpoint, run_id, n, n - 1 if recovery else n, i, start_at, limit, child_end, go, release)
         proc = ctx.Process(target=_child, args=args, daemon=True)
         proc.start()
         pipes.append(parent_end)
         procs.append(proc)
     result: dict[str, Any] = {"impl": impl, "nodes": n}
     try:
-        firsts = [_receive(p, 600) for p in pipes]
+        firsts = [_receive(p, limit + 60) for p in pipes]
         errors = [f["error"] for f in firsts if "error" in f]
         if errors:
             return {**result, "error": errors[0], "failed": len(errors)}
@@ -195,15 +205,30 @@ def _receive(conn: Any, timeout: float) -> dict[str, Any]:
 
 
 # -- the driver -------------------------------------------------------------------------------
-def run_point(impl: str, n: int, endpoint: str, steady: float = 0, recovery: bool = False) -> dict[str, Any]:
-    """Run one point in a fresh interpreter (imports first, then the fork)."""
-    command = [sys.executable, __file__, "--one", impl, str(n), "--endpoint", endpoint, "--steady", str(steady)]
+def run_point(
+    impl: str, n: int, endpoint: str, steady: float = 0, recovery: bool = False, limit: float = 120
+) -> dict[str, Any]:
+    """Run one point in a fresh interpreter (imports first, then the fork); give up after ``limit`` s of rendezvous."""
+    command = [sys.executable, __file__, "--one", impl, str(n), "--endpoint", endpoint, "--steady", str(steady),
+               "--limit", str(limit)]  # fmt: skip
     if recovery:
         command.append("--recovery-point")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"impl": impl, "nodes": n, "error": (done.stderr or done.stdout)[-800:]}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=limit + steady + 180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the forked handlers too
+        proc.communicate()
+        return {"impl": impl, "nodes": n, "error": f"no result within {limit + steady + 180:g} s"}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"impl": impl, "nodes": n, "error": (err or out)[-800:]}
     return json.loads(lines[-1])
 
 
@@ -237,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", nargs=2, metavar=("IMPL", "N"))
     parser.add_argument("--endpoint")
     parser.add_argument("--recovery-point", action="store_true")
+    parser.add_argument("--limit", type=float, default=120, help="seconds a round may take before a point fails")
     args = parser.parse_args(argv)
     if args.one:
         import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (imports before the fork)
@@ -244,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         import service.rendezvous.native  # noqa: F401
 
         impl, n = args.one[0], int(args.one[1])
-        print(json.dumps(one_point(impl, n, args.endpoint, args.steady, args.recovery_point, margin=2.0)))
+        point = one_point(impl, n, args.endpoint, args.steady, args.recovery_point, margin=2.0, limit=args.limit)
+        print(json.dumps(point), flush=True)
         return 0
     impls = [i for i in args.impls.split(",") if i]
     sizes = [int(n) for n in args.nodes.split(",") if n]
@@ -259,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         if impl in given_up:
                             continue
                         steady = args.steady if n == args.steady_nodes and run == 0 else 0
-                        row = run_point(impl, n, etcd.endpoint, steady=steady)
+                        row = run_point(impl, n, etcd.endpoint, steady=steady, limit=args.limit)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         if "error" in row or (args.timeout_at and row.get("seconds", 0) > args.timeout_at):
