@@ -45,6 +45,14 @@ _GRPC_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What etcd answers (often as UNKNOWN) while it has no quorum or elects a leader: worth retrying.
+_TRANSIENT_DETAILS = (
+    "context deadline exceeded",
+    "etcdserver: request timed out",
+    "etcdserver: leader changed",
+    "etcdserver: no leader",
+    "etcdserver: too many requests",
+)
 _TRANSIENT_ERRORS = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
@@ -200,7 +208,7 @@ class EtcdClient:
 
     def _classify(self, exc: grpc.RpcError) -> EtcdError:
         code, details = _code_and_details(exc)
-        if code in _TRANSIENT_CODES:
+        if code in _TRANSIENT_CODES or any(d in details for d in _TRANSIENT_DETAILS):
             # Raw errors (authentication, lease streams) skip pyetcd's own bookkeeping.
             self._fail_current_endpoint()
             self._mark_failed()

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .client import EtcdClient, EtcdError
+from .client import EtcdClient, EtcdError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 _PUBLISH_ATTEMPTS = 10
@@ -179,7 +179,9 @@ class NodeLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None
-        self.unavailable: EtcdError | None = None  # set while refreshing fails past the client's grace window
+        self.unavailable: EtcdUnavailableError | None = (
+            None  # set while refreshing fails past the client's grace window
+        )
 
     @property
     def ttl(self) -> int:
@@ -212,7 +214,7 @@ class NodeLease:
                 return
             try:
                 responses = self._refresh(lease_id)
-            except EtcdError as exc:  # etcd gone beyond the grace window: the rendezvous reports it
+            except EtcdUnavailableError as exc:  # etcd gone beyond the grace window: the rendezvous reports it
                 self.unavailable = exc
                 self._on_lost("")
                 log.warning("Refreshing the node lease failed; retrying: %s", exc)
