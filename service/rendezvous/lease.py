@@ -195,6 +195,15 @@ class NodeLease:
             self._thread.start()
         return self._id
 
+    def renew(self) -> int:
+        """Replace a lost lease with a fresh one (a node that is in no world yet); raises ``EtcdError``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._client.options.read_timeout + 1)
+        self._id, self._thread, self.lost = None, None, None
+        self._stop = threading.Event()
+        return self.grant()
+
     def revoke(self) -> None:
         """Stop refreshing and revoke the lease, so this node's keys vanish now rather than after the TTL."""
         self._stop.set()

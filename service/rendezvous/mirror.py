@@ -52,6 +52,7 @@ class PrefixMirror:
         self._stopped = False
         self.error: EtcdError | None = None
         self.resyncs = 0  # how often the watch was rebuilt, for tests and the benchmark
+        self.deletions = 0  # keys deleted (or a fresh read that may have dropped some), so far
 
     # -- reading the copy (callers hold ``cond`` to see one consistent snapshot) --------------
     @property
@@ -96,6 +97,7 @@ class PrefixMirror:
             self._generation += 1
             generation = self._generation
             self._entries = {kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs}
+            self.deletions += 1
             self._revision = max(self._revision, revision)
             self.cond.notify_all()
         watcher = self._client.watch_prefix(
@@ -120,6 +122,7 @@ class PrefixMirror:
                 for event in response.events:
                     if isinstance(event, DeleteEvent):
                         self._entries.pop(event.key, None)
+                        self.deletions += 1
                     else:
                         self._entries[event.key] = Entry(event.value, event.create_revision, event.mod_revision)
                 self._revision = max(self._revision, int(response.header.revision))

@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
+_SETTLE = 0.01
+_REJOINS = 3
 
 
 def node_lease_ttl(keep_alive_interval: float, keep_alive_max_attempt: int) -> int:
@@ -217,13 +219,31 @@ class NativeRendezvousHandler(RendezvousHandler):
         with self._mirror.cond:
             newest = latest_sealed(self._layout, self._mirror.items())
         round_no = 0 if newest is None else newest + 1
+        rejoins = 0
         while True:
             seal = self._join(round_no)
-            if seal is None:
+            if seal is None and self._lease.lost is None:
                 seal = self._wait_for_seal(round_no, deadline)
+            if seal is None:
+                # Its key vanished while it waited (its lease expired in a stall): it is in no world yet, so it
+                # takes a fresh lease and joins again; a member that loses its lease fails instead.
+                rejoins += 1
+                if rejoins > _REJOINS:
+                    raise self._lose(f"its key in round {round_no} vanished {rejoins} times before it was sealed")
+                log.warning("The node '%s' lost its key in round %d before the seal; joining again.", self._node,
+                            round_no)  # fmt: skip
+                self._key = None
+                self._renew_lease()
+                continue
             if self._node in seal.members:
                 return round_no, seal
             round_no += 1  # sealed without this node: the next round
+
+    def _renew_lease(self) -> None:
+        try:
+            self._lease.renew()
+        except EtcdError as exc:
+            raise _connection_error(exc) from exc
 
     def _join(self, round_no: int) -> SealRecord | None:
         """Write this node's key into ``round_no``; the round's seal when it was sealed first."""
@@ -234,8 +254,9 @@ class NativeRendezvousHandler(RendezvousHandler):
             joined, seal, closed = try_join(self._parts.client, self._layout, round_no, record, lease_id, self._key)
             if joined:
                 self._key, self._joined_at = self._layout.node_key(round_no, self._node), joined
-        except LeaseNotFoundError as exc:
-            raise self._lose(f"its node lease was gone when it joined round {round_no}") from exc
+        except LeaseNotFoundError:
+            self._lease.lost = self._lease.lost or f"its node lease was gone when it joined round {round_no}"
+            return None  # in no world yet: _join_and_wait takes a fresh lease
         except EtcdError as exc:
             raise _connection_error(exc) from exc
         if closed is not None:
@@ -247,24 +268,34 @@ class NativeRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"Joining round {round_no} was refused, but etcd shows no reason.")
         return self._layout.decode(SealRecord, seal, self._layout.seal_key(round_no))
 
-    def _wait_for_seal(self, round_no: int, deadline: float) -> SealRecord:
+    def _wait_for_seal(self, round_no: int, deadline: float) -> SealRecord | None:
+        """The round's seal once it is there; ``None`` if this node's key vanished before."""
         due_since: float | None = None
-        mirror = self._mirror
+        mirror, layout = self._mirror, self._layout
+        seal_key = layout.seal_key(round_no)
+        view: RoundView | None = None
+        leader, looked_at, deletions, wake = True, 0.0, -1, None
         while True:
             with mirror.cond:
                 self._check_locked()
                 revision, entries = mirror.revision, mirror.items()
-                view = view_round(self._layout, entries, round_no)
-                if view.closed:
+                if layout.closed in entries:
                     raise self._closed_error()
-                if view.seal is not None:
-                    return view.seal
-                if self._key not in entries and revision >= self._joined_at:
-                    raise self._lose(f"its key in round {round_no} vanished before the round was sealed")
-                due = seal_due(view, self._min, self._max)
-                due_since = None if due is None else (due_since or time.monotonic())
-                wake = self._seal_wake(view, due, due_since)
-            now = time.monotonic()
+                sealed = entries.get(seal_key)
+                if sealed is not None:
+                    return layout.decode(SealRecord, sealed.value, seal_key)
+                if (self._key not in entries and revision >= self._joined_at) or self._lease.lost is not None:
+                    return None
+                now = time.monotonic()
+                # Only the first joiner seals, and it stays first until a key is deleted: the others look at
+                # the whole round only after a deletion, or twice a second for the backup seal.
+                if view is None or leader or mirror.deletions != deletions or now - looked_at >= 0.5:
+                    view = view_round(layout, entries, round_no)
+                    due = seal_due(view, self._min, self._max)
+                    due_since = None if due is None else (due_since or now)
+                    wake = self._seal_wake(view, due, due_since)
+                    leader = bool(view.joined) and view.joined[0].node == self._node
+                    looked_at, deletions = now, mirror.deletions
             if now >= deadline:
                 raise RendezvousTimeoutError(
                     f"The rendezvous '{self.get_run_id()}' did not complete within the join timeout of "
@@ -274,6 +305,7 @@ class NativeRendezvousHandler(RendezvousHandler):
                 )
             if wake is not None and wake <= now:
                 self._seal(view, revision)
+                view = None
                 continue
             with mirror.cond:
                 if (
@@ -282,7 +314,12 @@ class NativeRendezvousHandler(RendezvousHandler):
                     and self._lease.lost is None
                     and (self._lease.unavailable is None)
                 ):
-                    mirror.cond.wait(max(0.0, min(deadline, wake if wake is not None else deadline) - now))
+                    limit = deadline if wake is None else min(deadline, wake)
+                    if not leader:
+                        limit = min(limit, looked_at + 0.5)
+                    mirror.cond.wait(max(0.0, limit - time.monotonic()))
+            # Joins arrive in bursts when many nodes start together: let a burst land before looking again.
+            time.sleep(_SETTLE)
 
     def _seal_wake(self, view: RoundView, due: str | None, due_since: float | None) -> float | None:
         """When this node should try to seal: the first joiner at once (or after the last call), others as backup."""
@@ -350,7 +387,7 @@ class NativeRendezvousHandler(RendezvousHandler):
     def _on_lease_lost(self, reason: str) -> None:
         """The node lease is gone (``reason``), or etcd unreachable past the grace window (no reason): wake waiters."""
         with self._mirror.cond:
-            if reason and (self._round is not None or self._key is not None):
+            if reason and self._round is not None:  # a member: its world goes on without it
                 self._lost = self._lost or self._lost_error(reason)
             self._mirror.cond.notify_all()
 
@@ -373,7 +410,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._check_locked()
 
     def _check_locked(self) -> None:
-        if self._lost is None and self._lease.lost is not None and (self._round is not None or self._key):
+        if self._lost is None and self._lease.lost is not None and self._round is not None:
             self._lost = self._lost_error(self._lease.lost)
         if self._lost is not None:
             raise RunLostError(str(self._lost))

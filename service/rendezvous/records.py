@@ -21,6 +21,7 @@ cannot plant members or seals. Without a secret, a signed value is refused too
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
@@ -105,7 +106,14 @@ class Layout:
         return _SIGNED + _mac(self.secret, key, body).encode() + b":" + body
 
     def decode(self, model: type[M], raw: bytes, key: bytes) -> M:
-        """The record under ``key``; :class:`RecordError` if unsigned, badly signed, or not valid."""
+        """The record under ``key``; :class:`RecordError` if unsigned, badly signed, or not valid.
+
+        Cached: a node re-reads every key of its round each time its copy changes, and records are frozen.
+        """
+        return _decode_cached(self, model, raw, key)
+
+    def decode_uncached(self, model: type[M], raw: bytes, key: bytes) -> M:
+        """:meth:`decode` without the cache."""
         name = key.decode(errors="replace")
         if raw.startswith(_SIGNED):
             if self.secret is None:
@@ -168,3 +176,8 @@ class Layout:
 def _mac(secret: bytes, key: bytes, body: bytes) -> str:
     """HMAC-SHA256 over the key and the body, so a value cannot move to another key or run."""
     return hmac.new(secret, key + b"\0" + body, hashlib.sha256).hexdigest()
+
+
+@functools.lru_cache(maxsize=8192)
+def _decode_cached(layout: Layout, model: type[M], raw: bytes, key: bytes) -> M:
+    return layout.decode_uncached(model, raw, key)
