@@ -100,6 +100,7 @@ def _handler(impl: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: i
         local_addr="127.0.0.1",
         impl=impl,
         join_timeout=str(limit),
+        read_timeout="30",  # hundreds of processes start at once on 2 cores: the first requests can be slow
         **LIVENESS,
     )
     return get_rendezvous_handler(params)
@@ -111,6 +112,7 @@ def _child(impl: str, endpoint: str, run_id: str, n: int, min_nodes: int, index:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         counts = _counters(impl)
         handler = _handler(impl, endpoint, run_id, min_nodes, n, index, limit)
+        counts["late"] = max(0.0, time.time() - start_at)  # built after the common instant (too short a margin)
         time.sleep(max(0.0, start_at - time.time()))
         begin = time.time()
         info = handler.next_rendezvous()
@@ -153,7 +155,7 @@ def one_point(
     ctx = mp.get_context("fork")
     run_id = f"scale-{impl}-{n}-{uuid.uuid4().hex[:6]}"
     go, release = ctx.Event(), ctx.Event()
-    start_at = time.time() + margin + n * 0.02
+    start_at = time.time() + margin + n * 0.06  # every handler built before the instant (late_s says if not)
     pipes, procs = [], []
     for i in range(n):
         parent_end, child_end = ctx.Pipe(duplex=False)
@@ -167,11 +169,13 @@ def one_point(
         firsts = [_receive(p, limit + 60) for p in pipes]
         errors = [f["error"] for f in firsts if "error" in f]
         if errors:
-            return {**result, "error": errors[0], "failed": len(errors)}
+            kinds = sorted({e[:160] for e in errors})
+            return {**result, "error": " | ".join(kinds)[:1200], "failed": len(errors)}
         result["seconds"] = max(f["seconds"] for f in firsts)
         result["worlds"] = sorted({f["world"] for f in firsts})
         result["writes_per_node"] = statistics.mean(f["writes"] for f in firsts)
         result["requests_per_node"] = statistics.mean(f["requests"] for f in firsts)
+        result["late_s"] = max(f["late"] for f in firsts)
         if steady > 0 and impl != "c10d":
             before = etcd_status(endpoint)
             time.sleep(steady)
@@ -232,6 +236,16 @@ def run_point(
     return json.loads(lines[-1])
 
 
+def fresh_point(impl: str, n: int, steady: float, limit: float) -> dict[str, Any]:
+    """One point with a steady-state window, on an etcd started for it alone."""
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        etcd = start_etcd(Path(tmp))
+        try:
+            return run_point(impl, n, etcd.endpoint, steady=steady, limit=limit)
+        finally:
+            etcd.kill()
+
+
 def start_etcd(workdir: Path) -> Any:
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "tests"))
@@ -285,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                     for impl in impls[run % len(impls) :] + impls[: run % len(impls)]:
                         if impl in given_up:
                             continue
-                        steady = args.steady if n == args.steady_nodes and run == 0 else 0
-                        row = run_point(impl, n, etcd.endpoint, steady=steady, limit=args.limit)
+                        steady = args.steady if n == args.steady_nodes and run == 0 and impl != "c10d" else 0
+                        if steady:  # on an etcd of its own: earlier points' keys expiring are revisions too
+                            row = fresh_point(impl, n, steady, args.limit)
+                        else:
+                            row = run_point(impl, n, etcd.endpoint, limit=args.limit)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         if "error" in row or (args.timeout_at and row.get("seconds", 0) > args.timeout_at):
@@ -301,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             for impl in impls if args.db_growth else []:
                 if impl == "c10d":
                     continue
-                row = run_point(impl, args.db_nodes, etcd.endpoint, steady=args.db_growth)
+                row = fresh_point(impl, args.db_nodes, args.db_growth, args.limit)
                 growth.append(row)
                 print(json.dumps(row), flush=True)
         finally:

@@ -81,6 +81,10 @@ class EtcdAuthError(EtcdError):
     """etcd refused a login, or the user lacks permission for the request."""
 
 
+class WatchCompactedError(EtcdError):
+    """A watch asked for revisions that etcd has already compacted away: read afresh and watch again."""
+
+
 class EtcdNotEtcdError(EtcdError):
     """The endpoint answers gRPC but does not know etcd's API: it is some other server."""
 
@@ -153,6 +157,9 @@ class EtcdClient:
             )
             try:
                 watcher.add_callback(prefix, callback, range_end=end, start_revision=start_revision)
+            except etcd_exc.RevisionCompactedError as exc:
+                watcher.close()
+                raise WatchCompactedError(f"revision {start_revision} is compacted ({exc})") from exc
             except BaseException:
                 watcher.close()
                 raise

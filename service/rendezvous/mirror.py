@@ -24,9 +24,10 @@ from typing import Any
 from pyetcd.events import DeleteEvent
 from pyetcd.watch import WatchResponse
 
-from .client import EtcdClient, EtcdError
+from .client import EtcdClient, EtcdError, WatchCompactedError
 
 log = logging.getLogger(__name__)
+_COMPACTED_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,15 @@ class Entry:
 class PrefixMirror:
     """Every key under ``prefix`` with its value, and the etcd revision the copy reflects."""
 
-    def __init__(self, client: EtcdClient, prefix: bytes) -> None:
+    def __init__(self, client: EtcdClient, prefix: bytes, major: Callable[[bytes], bool] = lambda key: True) -> None:
         self._client = client
         self._prefix = prefix
-        self.cond = threading.Condition()
+        self._major = major
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        # Woken only by deletions, by keys ``major`` names, by a fresh read and by errors: waiters that need
+        # no other change sleep through the N joins of a big round.
+        self.major_cond = threading.Condition(lock)
         self._entries: dict[bytes, Entry] = {}
         self._revision = 0
         self._watcher: Any = None
@@ -86,10 +92,19 @@ class PrefixMirror:
             self._stopped = True
             watcher, self._watcher = self._watcher, None
             self.cond.notify_all()
+            self.major_cond.notify_all()
         if watcher is not None:
             watcher.close()
 
     def _resync(self) -> None:
+        for _ in range(_COMPACTED_RETRIES):
+            try:
+                return self._resync_once()
+            except WatchCompactedError:  # compacted between the read and the watch: read again
+                continue
+        raise EtcdError(f"etcd compacted the history under {self._prefix.decode()} faster than it could be watched.")
+
+    def _resync_once(self) -> None:
         revision, kvs = self._client.list_prefix(self._prefix, "reading the rendezvous keys")
         with self.cond:
             if self._stopped:
@@ -100,6 +115,7 @@ class PrefixMirror:
             self.deletions += 1
             self._revision = max(self._revision, revision)
             self.cond.notify_all()
+            self.major_cond.notify_all()
         watcher = self._client.watch_prefix(
             self._prefix,
             revision + 1,
@@ -119,14 +135,19 @@ class PrefixMirror:
             with self.cond:
                 if generation != self._generation:
                     return
+                major = False
                 for event in response.events:
                     if isinstance(event, DeleteEvent):
                         self._entries.pop(event.key, None)
                         self.deletions += 1
+                        major = True
                     else:
                         self._entries[event.key] = Entry(event.value, event.create_revision, event.mod_revision)
+                        major = major or self._major(event.key)
                 self._revision = max(self._revision, int(response.header.revision))
                 self.cond.notify_all()
+                if major:
+                    self.major_cond.notify_all()
             return
         # The stream ended (an error, or None when closed): rebuild unless stopped or superseded.
         with self.cond:
@@ -144,8 +165,10 @@ class PrefixMirror:
             with self.cond:
                 self.error = exc
                 self.cond.notify_all()
+                self.major_cond.notify_all()
         except Exception as exc:  # never let a bug here leave waiters asleep
-            log.exception("Rebuilding the rendezvous watch failed.")
+            log.exception("Rebuilding the rendezvous watch failed (%s).", type(exc).__name__)
             with self.cond:
                 self.error = EtcdError(f"Rebuilding the rendezvous watch failed: {exc}")
                 self.cond.notify_all()
+                self.major_cond.notify_all()

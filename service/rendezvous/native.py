@@ -83,7 +83,8 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._node = _UNSAFE.sub("_", f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self._share_tcp_store = share_tcp_store
         self._layout = Layout.of(o.key_prefix, o.run_id, o.secret)
-        self._mirror = PrefixMirror(parts.client, self._layout.base)
+        layout = self._layout
+        self._mirror = PrefixMirror(parts.client, layout.base, lambda key: not key.startswith(layout.rounds))
         ttl = node_lease_ttl(o.keep_alive_interval, o.keep_alive_max_attempt)
         self._lease = NodeLease(parts.client, ttl, o.keep_alive_interval, self._on_lease_lost)
         self._started = False
@@ -294,7 +295,8 @@ class NativeRendezvousHandler(RendezvousHandler):
                     due = seal_due(view, self._min, self._max)
                     due_since = None if due is None else (due_since or now)
                     wake = self._seal_wake(view, due, due_since)
-                    leader = bool(view.joined) and view.joined[0].node == self._node
+                    # First unless a key joined before this node's own write (known even before the copy shows it).
+                    leader = not view.joined or view.joined[0].create_revision >= self._joined_at
                     looked_at, deletions = now, mirror.deletions
             if now >= deadline:
                 raise RendezvousTimeoutError(
@@ -315,9 +317,10 @@ class NativeRendezvousHandler(RendezvousHandler):
                     and (self._lease.unavailable is None)
                 ):
                     limit = deadline if wake is None else min(deadline, wake)
-                    if not leader:
-                        limit = min(limit, looked_at + 0.5)
-                    mirror.cond.wait(max(0.0, limit - time.monotonic()))
+                    if leader:
+                        mirror.cond.wait(max(0.0, limit - time.monotonic()))
+                    else:  # only a seal, a close or a departure matters to it
+                        mirror.major_cond.wait(max(0.0, min(limit, looked_at + 0.5) - time.monotonic()))
             # Joins arrive in bursts when many nodes start together: let a burst land before looking again.
             time.sleep(_SETTLE)
 
