@@ -117,6 +117,9 @@ def rendezvous_time(backend: str, etcd_endpoint: str) -> float:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # The two processes differ in their arguments (the address): name the job, or the job check
+            # (one job per run id) would refuse the second as another job.
+            env=dict(os.environ, DDP_SERVICE_RDZV_JOB=run_id),
         )
         for addr, conf in zip(("127.0.0.2", "127.0.0.3"), confs, strict=True)
     ]
