@@ -1,34 +1,22 @@
 """An etcd-native ``RendezvousHandler``: one lease per node, one key per node per round, watches, one sealing write.
 
-torch's ``DynamicRendezvousHandler`` keeps the whole membership in one pickled
-value that every join and every heartbeat rewrites, and every node polls it:
-O(N) writes per heartbeat interval to one key, O(N²) requests per round, and a
-new etcd revision per heartbeat. Here instead (key layout in ``records.py``,
-the rules in ``rounds.py``):
+torch's ``DynamicRendezvousHandler`` keeps the whole membership in one pickled value that every join and
+heartbeat rewrites and every node polls: O(N) writes per heartbeat to one key, O(N²) requests per round, a
+revision per heartbeat. Here (key layout in ``records.py``, the rules in ``rounds.py``, docs/rendezvous.md):
+each node holds its own lease (TTL = the liveness timeout), refreshed by keep-alives that write no revision;
+a join is one transaction writing one JSON key on that lease; each node keeps a watched copy of the run's keys
+(``mirror.py``), so nobody polls and ``num_nodes_waiting`` costs no request; the first joiner seals the round
+with one transaction and everyone reads the same record; a dead node's key goes with its lease, and the
+survivors' ``num_nodes_waiting`` turns positive, so torchrun restarts them into a new round.
 
-* each node holds its own lease (TTL = ``keep_alive_interval`` ×
-  ``keep_alive_max_attempt``, rounded up), refreshed by keep-alive, which
-  writes no revision;
-* a join is one transaction that writes one small JSON key on that lease;
-* each node keeps a watched copy of the run's rendezvous keys
-  (``mirror.py``), so nobody polls; ``num_nodes_waiting`` reads that copy;
-* the first joiner seals the round with one transaction; the others read the
-  sealed record, and a node that is not in it moves to the next round;
-* a node that dies loses its lease, its key vanishes, and the survivors'
-  ``num_nodes_waiting`` turns positive within the lease TTL, so torchrun
-  restarts them into a new round.
-
-Split-brain guard: once this node is a member of a sealed round, its own key
-and that round's seal must stay. If either vanishes (lease expired while the
-agent stalled, lease revoked, the run's keys deleted), this handler raises
-:class:`RunLostError` now and on every later call: the agent stops its
-workers and exits, and never joins a second world under the same run id.
+Split-brain guard: once this node is a member of a sealed round, its own key and that round's seal must stay.
+If either vanishes, :class:`RunLostError` is raised now and on every later call: the agent stops its workers
+and exits, and never joins a second world under the same run id.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import threading
@@ -51,6 +39,7 @@ from .backend import RunLostError
 from .client import EtcdError, LeaseNotFoundError
 from .lease import NodeLease
 from .mirror import PrefixMirror
+from .native_errors import closed_error, connection_error, lost_error, node_lease_ttl
 from .records import ClosedRecord, Layout, NodeRecord, SealRecord
 from .rounds import RoundView, latest_sealed, seal_due, try_join, try_seal, view_round
 
@@ -61,11 +50,6 @@ log = logging.getLogger(__name__)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
 _SETTLE = 0.01
 _REJOINS = 3
-
-
-def node_lease_ttl(keep_alive_interval: float, keep_alive_max_attempt: int) -> int:
-    """The node lease's TTL: the liveness timeout, in whole seconds, at least etcd's 2 s minimum."""
-    return max(2, math.ceil(keep_alive_interval * keep_alive_max_attempt))
 
 
 class NativeRendezvousHandler(RendezvousHandler):
@@ -154,7 +138,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             except LeaseNotFoundError:
                 self._parts.lease.invalidate(lease_id)
             except EtcdError as exc:
-                raise _connection_error(exc) from exc
+                raise connection_error(exc) from exc
         raise RendezvousConnectionError("Closing the rendezvous failed: the run's lease kept vanishing.")
 
     def _put_closed(self, record: bytes, lease_id: int) -> None:
@@ -213,7 +197,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._mirror.start()
         except EtcdError as exc:
             self.close()
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
         self._started = True
 
     def _join_and_wait(self, deadline: float) -> tuple[int, SealRecord]:
@@ -244,7 +228,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         try:
             self._lease.renew()
         except EtcdError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
 
     def _join(self, round_no: int) -> SealRecord | None:
         """Write this node's key into ``round_no``; the round's seal when it was sealed first."""
@@ -259,7 +243,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._lease.lost = self._lease.lost or f"its node lease was gone when it joined round {round_no}"
             return None  # in no world yet: _join_and_wait takes a fresh lease
         except EtcdError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
         if closed is not None:
             raise self._closed_error()
         if joined:
@@ -348,7 +332,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         except LeaseNotFoundError:
             self._parts.lease.invalidate(lease_id)
         except EtcdError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
 
     def _leave(self) -> None:
         """Take this node's key out of its round (a failed or timed-out join)."""
@@ -399,14 +383,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         return self._lost
 
     def _lost_error(self, what: str) -> RunLostError:
-        o = self._parts.options
-        return RunLostError(
-            f"The rendezvous run '{o.run_id}' is gone for this node: {what} while it was part of the run "
-            "(its lease expired while the agent stalled, or the lease was revoked, or the run's keys were "
-            "deleted). This agent stops its workers and exits to avoid a split brain, a second world training "
-            "under the same run id. To reuse a run id, let its job finish and then run "
-            f"'ddp-service rdzv retire --endpoint HOST:PORT --prefix {o.key_prefix} {o.run_id}'."
-        )
+        return lost_error(self._parts.options.run_id, self._parts.options.key_prefix, what)
 
     def _check(self) -> None:
         with self._mirror.cond:
@@ -418,28 +395,21 @@ class NativeRendezvousHandler(RendezvousHandler):
         if self._lost is not None:
             raise RunLostError(str(self._lost))
         if self._mirror.error is not None:
-            raise _connection_error(self._mirror.error)
+            raise connection_error(self._mirror.error)
         if self._lease.unavailable is not None:
-            raise _connection_error(self._lease.unavailable)
+            raise connection_error(self._lease.unavailable)
 
     def _closed_error(self) -> RendezvousClosedError:
-        return RendezvousClosedError(
-            f"The rendezvous '{self.get_run_id()}' is closed: its job has finished. Use a new --rdzv-id, or "
-            "retire the run with 'ddp-service rdzv retire' (or wait out the run's ttl) to use this one again."
-        )
+        return closed_error(self.get_run_id())
 
     def _run_lease_id(self) -> int:
         try:
             return self._parts.lease.id()
         except EtcdError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
 
 
 def _hostname() -> str:
     import socket
 
     return socket.getfqdn()
-
-
-def _connection_error(exc: BaseException) -> RendezvousConnectionError:
-    return RendezvousConnectionError(f"The etcd3 rendezvous cannot use etcd: {exc}")
