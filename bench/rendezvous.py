@@ -1,4 +1,5 @@
-"""Benchmark torchrun rendezvous backends side by side: etcd3 (this project), c10d, etcd-v2.
+"""Benchmark torchrun rendezvous backends side by side: etcd3 (this project; ``etcd3`` is its native handler,
+``etcd3-dynamic`` torch's handler on it), c10d, etcd-v2.
 
 Not a test. Runs alternate between backends within one invocation, then a table
 prints the medians and each backend's ratio to c10d:
@@ -12,7 +13,7 @@ prints the medians and each backend's ratio to c10d:
 etcd-v2 runs against the same etcd (started with ``--enable-v2``) when
 python-etcd imports; otherwise the table says so.
 
-    python bench/rendezvous.py [--rounds 3] [--backends etcd3,c10d,etcd-v2]
+    python bench/rendezvous.py [--rounds 3] [--backends etcd3,etcd3-dynamic,c10d,etcd-v2]
 """
 
 from __future__ import annotations
@@ -84,7 +85,14 @@ def endpoint_for(backend: str, etcd_endpoint: str) -> tuple[str, list[dict]]:
     if backend == "c10d":
         port = free_port("127.0.0.2")
         return f"127.0.0.2:{port}", [{"is_host": "1"}, {"is_host": "0"}]
+    if backend == "etcd3-dynamic":
+        return etcd_endpoint, [{"impl": "dynamic"}, {"impl": "dynamic"}]
     return etcd_endpoint, [{}, {}]
+
+
+def torch_backend(backend: str) -> str:
+    """The --rdzv-backend name: both etcd3 handlers are the etcd3 backend."""
+    return "etcd3" if backend.startswith("etcd3") else backend
 
 
 def rendezvous_time(backend: str, etcd_endpoint: str) -> float:
@@ -94,11 +102,24 @@ def rendezvous_time(backend: str, etcd_endpoint: str) -> float:
     start_at = time.time() + 6  # after both interpreters imported torch
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", ONE_JOIN, backend, endpoint, run_id, addr, str(start_at), json.dumps(conf)],
+            [
+                sys.executable,
+                "-c",
+                ONE_JOIN,
+                torch_backend(backend),
+                endpoint,
+                run_id,
+                addr,
+                str(start_at),
+                json.dumps(conf),
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # The two processes differ in their arguments (the address): name the job, or the job check
+            # (one job per run id) would refuse the second as another job.
+            env=dict(os.environ, DDP_SERVICE_RDZV_JOB=run_id),
         )
         for addr, conf in zip(("127.0.0.2", "127.0.0.3"), confs, strict=True)
     ]
@@ -125,8 +146,17 @@ def recovery_time(backend: str, etcd_endpoint: str, workdir: Path) -> float:
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = [
         Agent(
-            workdir / f"{run_id}-{i}.log", addr, backend, endpoint, run_id, "2", 1, job, rdzv_conf=conf_text[i], env=env
-        )
+            workdir / f"{run_id}-{i}.log",
+            addr,
+            torch_backend(backend),
+            endpoint,
+            run_id,
+            "2",
+            1,
+            job,
+            rdzv_conf=conf_text[i],
+            env=env,
+        )  # fmt: skip
         for i, addr in enumerate(("127.0.0.2", "127.0.0.3"))
     ]
     try:
@@ -156,13 +186,13 @@ def median(values: list[float]) -> float:
 def print_table(results: dict[str, dict[str, list[float]]], notes: list[str]) -> None:
     base = results.get("c10d", {})
     print()
-    print(f"{'backend':<9} {'rendezvous s':>13} {'x c10d':>7} {'recovery s':>11} {'x c10d':>7}  runs")
+    print(f"{'backend':<14} {'rendezvous s':>13} {'x c10d':>7} {'recovery s':>11} {'x c10d':>7}  runs")
     for backend, measures in results.items():
         rdzv, rec = median(measures["rendezvous"]), median(measures["recovery"])
         r_ratio = rdzv / median(base["rendezvous"]) if base.get("rendezvous") else float("nan")
         c_ratio = rec / median(base["recovery"]) if base.get("recovery") else float("nan")
         runs = f"{len(measures['rendezvous'])}/{len(measures['recovery'])}"
-        print(f"{backend:<9} {rdzv:>13.2f} {r_ratio:>7.2f} {rec:>11.2f} {c_ratio:>7.2f}  {runs}")
+        print(f"{backend:<14} {rdzv:>13.2f} {r_ratio:>7.2f} {rec:>11.2f} {c_ratio:>7.2f}  {runs}")
     for note in notes:
         print(f"note: {note}")
 
@@ -170,7 +200,7 @@ def print_table(results: dict[str, dict[str, list[float]]], notes: list[str]) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--backends", default="etcd3,c10d,etcd-v2")
+    parser.add_argument("--backends", default="etcd3,etcd3-dynamic,c10d,etcd-v2")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     notes = []

@@ -30,7 +30,10 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 echo "starting etcd on $ENDPOINT (data in $WORK)"
+# History compacted every few minutes and an explicit quota: without compaction every write's revision stays
+# forever and etcd refuses all writes at its quota (see docs/rendezvous.md, "etcd never fills up").
 setsid "$ETCD" --name local --data-dir "$WORK/etcd" \
+  --auto-compaction-mode periodic --auto-compaction-retention 5m --quota-backend-bytes 2147483648 \
   --listen-client-urls "http://$ENDPOINT" --advertise-client-urls "http://$ENDPOINT" \
   --listen-peer-urls "http://127.0.0.1:$PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
   --initial-cluster "local=http://127.0.0.1:$PEER_PORT" >"$WORK/etcd.log" 2>&1 &

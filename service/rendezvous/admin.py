@@ -122,8 +122,9 @@ class Admin:
                     runs.add(rest[: -len(leaf)])
                     break
             else:
-                if "/store/" in rest:
-                    runs.add(rest.split("/store/", 1)[0])
+                for inner in ("/store/", "/rdzv/"):
+                    if inner in rest:
+                        runs.add(rest.split(inner, 1)[0])
         return sorted(runs)
 
     def show(self, run_id: str) -> RunInfo:
@@ -133,6 +134,12 @@ class Admin:
         info.keys = len(self._call(lambda c: list(c.get_prefix(prefix, keys_only=True)), "listing the run's keys"))
         self._read_lease(run_id, info)
         self._read_job(run_id, info)
+        from . import admin_native
+
+        if self._call(
+            lambda c: admin_native.describe(c, self._prefix, run_id, info, self._codec.secret), "reading the run"
+        ):
+            return info
         key = self._key(run_id, "state")
         blob, _ = self._call(lambda c: c.get(key), "reading the rendezvous state")
         if blob is None:
@@ -200,7 +207,7 @@ class Admin:
             raise AdminError(f"There is no run '{run_id}' under the prefix {self._prefix}; nothing to retire.")
         if not force:
             self._check_finished(info, live_within)
-        closed = self._mark_closed(run_id) if info.decoded and not info.closed else False
+        closed = self._mark_closed(run_id, info) if info.decoded and not info.closed else False
         revoked = self._revoke(info)
         prefix = self._key(run_id, "")
         deleted = self._call(lambda c: c.delete_prefix(prefix).deleted, "deleting the run's keys")
@@ -222,10 +229,17 @@ class Admin:
                 "to stop it: its agents then exit with an error that their run's keys were deleted."
             )
 
-    def _mark_closed(self, run_id: str) -> bool:
+    def _mark_closed(self, run_id: str, info: RunInfo) -> bool:
+        from . import admin_native
         from .client import EtcdError
         from .signing import StateIntegrityError
 
+        if self._is_native(run_id):
+            lease = None if info.lease_id is None or info.lease_id.startswith("invalid") else int(info.lease_id, 16)
+            try:
+                return admin_native.mark_closed(self._client, self._prefix, run_id, lease, self._codec.secret)
+            except EtcdError:
+                return False
         key = self._key(run_id, "state")
         blob, meta = self._call(lambda c: c.get(key), "reading the rendezvous state")
         if blob is None:
@@ -246,6 +260,10 @@ class Admin:
         except EtcdError:
             return False  # its lease is gone, or etcd hiccuped: the keys are deleted next anyway
         return bool(won)
+
+    def _is_native(self, run_id: str) -> bool:
+        base = self._key(run_id, "rdzv/")
+        return bool(self._call(lambda c: list(c.get_prefix(base, keys_only=True, limit=1)), "reading the run"))
 
     def _revoke(self, info: RunInfo) -> bool:
         from .client import EtcdError

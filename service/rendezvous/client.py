@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pyetcd
@@ -45,6 +45,14 @@ _GRPC_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What etcd answers (often as UNKNOWN) while it has no quorum or elects a leader: worth retrying.
+_TRANSIENT_DETAILS = (
+    "context deadline exceeded",
+    "etcdserver: request timed out",
+    "etcdserver: leader changed",
+    "etcdserver: no leader",
+    "etcdserver: too many requests",
+)
 _TRANSIENT_ERRORS = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
@@ -71,6 +79,10 @@ class LeaseNotFoundError(EtcdError):
 
 class EtcdAuthError(EtcdError):
     """etcd refused a login, or the user lacks permission for the request."""
+
+
+class WatchCompactedError(EtcdError):
+    """A watch asked for revisions that etcd has already compacted away: read afresh and watch again."""
 
 
 class EtcdNotEtcdError(EtcdError):
@@ -118,6 +130,43 @@ class EtcdClient:
         except Exception:  # closing is best effort
             log.debug("Closing the etcd client failed.", exc_info=True)
 
+    def list_prefix(self, prefix: bytes, what: str) -> tuple[int, list[Any]]:
+        """(revision, key-values) of every key under ``prefix``, read at one revision."""
+        response = self.call(lambda c: c.get_prefix_response(prefix), what)
+        return int(response.header.revision), list(response.kvs)
+
+    def watch_prefix(self, prefix: bytes, start_revision: int, callback: Callable[[Any], None], what: str) -> Any:
+        """Watch ``prefix`` from ``start_revision`` on a watcher of its own; returns it (``close()`` ends it).
+
+        A watcher of its own carries the current login token and channel, so one
+        made after a re-login or a fail-over works where pyetcd's shared one would not.
+        ``callback`` gets pyetcd's ``WatchResponse`` objects, then an exception or
+        ``None`` once when the stream ends.
+        """
+        end = _prefix_end(prefix)
+
+        def create(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
+            # "hasleader": etcd ends the watch when its member loses the leader (no quorum), instead of
+            # leaving it open and silent, so a watcher learns of an outage as a client with requests does.
+            metadata = (*(c.metadata or ()), ("hasleader", "true"))
+            watcher = pyetcd.watch.Watcher(
+                pyetcd.etcdrpc.WatchStub(c.channel),
+                timeout=c.timeout,
+                call_credentials=c.call_credentials,
+                metadata=metadata,
+            )
+            try:
+                watcher.add_callback(prefix, callback, range_end=end, start_revision=start_revision)
+            except etcd_exc.RevisionCompactedError as exc:
+                watcher.close()
+                raise WatchCompactedError(f"revision {start_revision} is compacted ({exc})") from exc
+            except BaseException:
+                watcher.close()
+                raise
+            return watcher
+
+        return self.call(create, what)
+
     def call(self, op: Callable[[pyetcd.MultiEndpointEtcd3Client], T], what: str, retry: bool = True) -> T:
         """Run ``op`` against etcd; retry transient errors inside the grace window.
 
@@ -153,6 +202,9 @@ class EtcdClient:
             if not isinstance(exc, etcd_exc.NoServerAvailableError):
                 self._last_error = _describe(exc)
             raise EtcdUncertainError(str(exc)) from exc
+        except etcd_exc.WatchTimedOut as exc:
+            self._mark_failed()
+            raise EtcdUncertainError(f"creating a watch timed out: {exc}") from exc
         except ValueError as exc:
             if not is_failed_node_error(exc):
                 raise
@@ -163,7 +215,7 @@ class EtcdClient:
 
     def _classify(self, exc: grpc.RpcError) -> EtcdError:
         code, details = _code_and_details(exc)
-        if code in _TRANSIENT_CODES:
+        if code in _TRANSIENT_CODES or any(d in details for d in _TRANSIENT_DETAILS):
             # Raw errors (authentication, lease streams) skip pyetcd's own bookkeeping.
             self._fail_current_endpoint()
             self._mark_failed()
@@ -281,6 +333,21 @@ def _describe(exc: BaseException) -> str:
         code, details = _code_and_details(context)
         return f"{exc}: {code.name}: {details}"
     return str(exc)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix``."""
+    data = bytearray(prefix)
+    for i in reversed(range(len(data))):
+        if data[i] < 0xFF:
+            data[i] += 1
+            return bytes(data[: i + 1])
+    return b"\x00"
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """Public name of :func:`_prefix_end`, for range compares and deletes."""
+    return _prefix_end(prefix)
 
 
 def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
+    RendezvousHandler,
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -101,10 +102,26 @@ def build_parts(params: RendezvousParameters) -> Etcd3Parts:
     return parts
 
 
-def build_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """torch's own handler, driving the etcd3 backend and store."""
+def build_handler(params: RendezvousParameters, share_tcp_store: bool = False) -> RendezvousHandler:
+    """The handler ``impl`` names: the etcd-native one, or torch's own on the etcd3 backend and store."""
     parts = build_parts(params)
     claim_job(parts, params)  # one job per run id: refuse another job's run before joining it
+    if parts.options.impl == "native":
+        from .native import NativeRendezvousHandler
+
+        try:
+            handler = NativeRendezvousHandler(
+                parts, params.min_nodes, params.max_nodes, params.local_addr, share_tcp_store=share_tcp_store
+            )
+        except BaseException:
+            parts.close()
+            raise
+        handler.start()  # its lease and its watch now, so a broken etcd fails the agent at start
+        return handler
+    return _dynamic_handler(parts, params)
+
+
+def _dynamic_handler(parts: Etcd3Parts, params: RendezvousParameters) -> DynamicRendezvousHandler:
     o = parts.options
     timeout = RendezvousTimeout(
         join=timedelta(seconds=o.join_timeout),

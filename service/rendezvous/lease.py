@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
-from .client import EtcdClient, EtcdError
+from .client import EtcdClient, EtcdError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 _PUBLISH_ATTEMPTS = 10
@@ -158,3 +159,83 @@ class RunLease:
         if not responses or responses[0].TTL <= 0:
             log.warning("The etcd rendezvous lease %x expired; the next write will join a new one.", lease_id)
             self.invalidate(lease_id)
+
+
+class NodeLease:
+    """One node's own lease (TTL = its liveness timeout), refreshed every ``interval`` by keep-alive.
+
+    Keep-alives write no revision, so a live node costs etcd no history. When
+    etcd reports the lease gone (expired while this agent stalled, or revoked),
+    :attr:`lost` is set and ``on_lost`` is called once; the rendezvous treats
+    that as the end of this node's part in the run.
+    """
+
+    def __init__(self, client: EtcdClient, ttl: int, interval: float, on_lost: Callable[[str], None]) -> None:
+        self._client = client
+        self._ttl = ttl
+        self._interval = interval
+        self._on_lost = on_lost
+        self._id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+        self.unavailable: EtcdUnavailableError | None = (
+            None  # set while refreshing fails past the client's grace window
+        )
+
+    @property
+    def ttl(self) -> int:
+        return self._ttl
+
+    def grant(self) -> int:
+        """Grant the lease (once) and start refreshing it; raises ``EtcdError``."""
+        if self._id is None:
+            self._id = self._client.call(lambda c: c.lease(self._ttl).id, "granting the node lease")
+            self._thread = threading.Thread(target=self._loop, name="etcd3-rdzv-node-lease", daemon=True)
+            self._thread.start()
+        return self._id
+
+    def renew(self) -> int:
+        """Replace a lost lease with a fresh one (a node that is in no world yet); raises ``EtcdError``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._client.options.read_timeout + 1)
+        self._id, self._thread, self.lost = None, None, None
+        self._stop = threading.Event()
+        return self.grant()
+
+    def revoke(self) -> None:
+        """Stop refreshing and revoke the lease, so this node's keys vanish now rather than after the TTL."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._client.options.read_timeout + 1)
+        lease_id, self._id = self._id, None
+        if lease_id is not None and self.lost is None:
+            try:
+                self._client.call(lambda c: c.revoke_lease(lease_id), "revoking the node lease", retry=False)
+            except EtcdError:
+                log.debug("Revoking node lease %x failed; it expires in %d s.", lease_id, self._ttl, exc_info=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            lease_id = self._id
+            if lease_id is None:
+                return
+            try:
+                responses = self._refresh(lease_id)
+            except EtcdUnavailableError as exc:  # etcd gone beyond the grace window: the rendezvous reports it
+                self.unavailable = exc
+                self._on_lost("")
+                log.warning("Refreshing the node lease failed; retrying: %s", exc)
+                continue
+            except Exception:  # a missed refresh is retried at the next interval
+                log.warning("Refreshing the node lease failed; retrying.", exc_info=True)
+                continue
+            self.unavailable = None
+            if not responses or responses[0].TTL <= 0:
+                self.lost = f"its node lease {lease_id:x} expired or was revoked in etcd"
+                self._on_lost(self.lost)
+                return
+
+    def _refresh(self, lease_id: int) -> list:
+        return self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the node lease")

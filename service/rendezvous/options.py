@@ -32,7 +32,11 @@ DEFAULTS: dict[str, float] = {
 }
 
 PATH_OPTIONS = ("cacert", "cert", "key", "password_file", "secret_file")
-TEXT_OPTIONS = ("key_prefix", "user", "password_env", "secret_env")
+TEXT_OPTIONS = ("key_prefix", "user", "password_env", "secret_env", "impl")
+# The handler behind --rdzv-backend=etcd3: the etcd-native one (leases, per-node keys, watches) or torch's
+# DynamicRendezvousHandler on a compare-and-set state key. See docs/rendezvous.md for the figures.
+IMPLS = ("native", "dynamic")
+DEFAULT_IMPL = "native"
 # torchrun adds ``timeout`` (the legacy etcd join timeout) to every backend's
 # configuration and ``rank`` for the static one; accept and ignore them.
 IGNORED_OPTIONS = ("timeout", "rank")
@@ -90,6 +94,7 @@ class RendezvousOptions:
     heartbeat_timeout: float
     keep_alive_interval: float
     keep_alive_max_attempt: int
+    impl: str = DEFAULT_IMPL
 
     def __repr__(self) -> str:
         # Never print the secret or the password.
@@ -179,6 +184,7 @@ def parse_options(
         heartbeat_timeout=numbers["heartbeat_timeout"],
         keep_alive_interval=numbers["keep_alive_interval"],
         keep_alive_max_attempt=int(numbers["keep_alive_max_attempt"]),
+        impl=_impl(config),
     )
 
 
@@ -277,6 +283,16 @@ def _existing_path(config: Mapping[str, Any], name: str) -> str | None:
     if value is not None and not Path(value).is_file():
         raise ValueError(f"The file '{value}' given as rendezvous option '{name}' does not exist.")
     return value
+
+
+def _impl(config: Mapping[str, Any]) -> str:
+    impl = _text(config, "impl") or DEFAULT_IMPL
+    if impl not in IMPLS:
+        raise ValueError(
+            f"The rendezvous option 'impl' is '{impl}', which is not a handler of the etcd3 backend; "
+            f"use {' or '.join(repr(i) for i in IMPLS)}."
+        )
+    return impl
 
 
 def _key_prefix(config: Mapping[str, Any]) -> str:

@@ -22,7 +22,7 @@ def entrypoint() -> Callable[[Any], Any]:
 
 
 def create_rendezvous_handler(params: Any) -> Any:
-    """Build a ``DynamicRendezvousHandler`` on etcd v3 from torchrun's ``RendezvousParameters``."""
+    """Build the etcd3 handler (``impl``: native or torch's dynamic one) from torchrun's ``RendezvousParameters``."""
     # torch shares the agent's rendezvous TCPStore with the workers by default.
     # Across restarts that breaks: when the node of rank 0 dies the survivors
     # keep its dead address, and restarted workers read stale gloo addresses
@@ -30,11 +30,12 @@ def create_rendezvous_handler(params: Any) -> Any:
     # restart, at an address the rendezvous publishes in etcd. An explicit
     # setting by the user wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    share = os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] != "1"  # read once, as torch's own handler reads it
     from .factory import build_handler
     from .options import scrub_secret_env
 
     try:
-        return build_handler(params)
+        return build_handler(params, share_tcp_store=share)
     finally:
         # The agent hands its environment to every worker: once the options are read,
         # the variables named by password_env and secret_env leave it, success or not.

@@ -113,6 +113,11 @@ class StateCodec:
         self._run_id = run_id
 
     @property
+    def secret(self) -> bytes | None:
+        """The signing secret (for the native handler's records, which share it)."""
+        return self._secret
+
+    @property
     def signs(self) -> bool:
         """Whether this codec signs and verifies."""
         return self._secret is not None

@@ -61,6 +61,14 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         proc.wait(timeout=10)
 
 
+# Every etcd the project starts compacts its history and has an explicit quota: without compaction every write's
+# revision stays forever and etcd refuses all writes once its quota is full (docs/rendezvous.md).
+ETCD_LIMITS = [
+    "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
+    "--quota-backend-bytes", str(1024**3),
+]  # fmt: skip
+
+
 class EtcdMember:
     """One etcd process; ``kill`` and ``start`` again keep its data dir."""
 
@@ -104,6 +112,7 @@ class EtcdMember:
             "50",
             "--election-timeout",
             "500",
+            *ETCD_LIMITS,
             *(self.cluster_args or ["--initial-cluster", f"{self.name}={self.peer_url}"]),
             *self.extra,
         ]

@@ -25,9 +25,15 @@ def rdzv(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def joined_handler(endpoint: str, run_id: str) -> Any:
+@pytest.fixture(params=["native", "dynamic"])
+def impl(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def joined_handler(endpoint: str, run_id: str, impl: str) -> Any:
     """An in-process agent that has completed round 0 as a world of one."""
-    handler = build_handler(RendezvousParameters("etcd3", endpoint, run_id, 1, 2, local_addr="127.0.0.1"))
+    params = RendezvousParameters("etcd3", endpoint, run_id, 1, 2, local_addr="127.0.0.1", impl=impl)
+    handler = build_handler(params)
     assert handler.next_rendezvous().world_size == 1
     return handler
 
@@ -37,8 +43,10 @@ def keys_of(endpoint: str, run_id: str) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
-def test_list_and_show_a_running_run(etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str]) -> None:
-    joined_handler(etcd_server.endpoint, run_id)
+def test_list_and_show_a_running_run(
+    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str], impl: str
+) -> None:
+    joined_handler(etcd_server.endpoint, run_id, impl)
     code, out, _ = rdzv(capsys, "list", "--endpoint", etcd_server.endpoint, "--json")
     assert code == 0
     row = next(r for r in json.loads(out) if r["run_id"] == run_id)
@@ -73,9 +81,9 @@ def test_bad_conf_is_a_usage_error(etcd_server: EtcdMember, capsys: pytest.Captu
 
 
 def test_retire_refuses_a_live_run_unless_forced(
-    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str]
+    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str], impl: str
 ) -> None:
-    joined_handler(etcd_server.endpoint, run_id)
+    joined_handler(etcd_server.endpoint, run_id, impl)
     code, _, err = rdzv(capsys, "retire", "--endpoint", etcd_server.endpoint, run_id)
     assert code == 1 and "is not closed and has live nodes" in err and "127.0.0.1_" in err and "--force" in err
     assert keys_of(etcd_server.endpoint, run_id)  # untouched
@@ -88,15 +96,17 @@ def test_retire_refuses_a_live_run_unless_forced(
 
 
 def test_retire_a_finished_run_frees_its_id(
-    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str]
+    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str], impl: str
 ) -> None:
-    handler = joined_handler(etcd_server.endpoint, run_id)
+    handler = joined_handler(etcd_server.endpoint, run_id, impl)
     handler.set_closed()  # what torchrun does when the job ends
     code, out, _ = rdzv(capsys, "retire", "--endpoint", etcd_server.endpoint, run_id)
     assert code == 0 and f"retired run '{run_id}'" in out and "can be reused" in out
     assert keys_of(etcd_server.endpoint, run_id) == []
     # A new job (another fingerprint even) can use the id at once instead of RendezvousClosedError.
-    fresh = build_handler(RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 1, local_addr="127.0.0.1"))
+    fresh = build_handler(
+        RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 1, local_addr="127.0.0.1", impl=impl)
+    )
     assert fresh.next_rendezvous().world_size == 1
 
 

@@ -127,7 +127,10 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     victim, survivor, killed_at = kill_rank0_node(a, b)
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["world_size"] == 2 and result["global_step"] == 30 and result["restarts"] >= 1
+    assert result["world_size"] == 2 and result["global_step"] == 30
+    # The workers restarted: after their failure (counted in restarts), or because the native handler's watch saw
+    # the node's key vanish first (a membership change, which torch does not count as a restart).
+    assert result["restarts"] >= 1 or "Detected 1 new nodes" in survivor.log(), result
     assert result["status"] == "completed" and result["stopped_at_step"] is None
     assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (32, 2, 30 * 32), result
     # Resumed from the newest checkpoint saved before the kill (one more may have landed in its last moment).
@@ -255,7 +258,8 @@ def test_d_losing_an_etcd_member_mid_run_is_survived(
     _, survivor, _ = kill_rank0_node(a, b)
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["world_size"] == 1 and result["restarts"] >= 1
+    assert result["world_size"] == 1
+    assert result["restarts"] >= 1 or "Detected 1 new nodes" in survivor.log(), result  # see test_b
 
 
 @pytest.mark.parametrize("signalled", ["rank0_node", "other_node"])

@@ -96,9 +96,10 @@ def test_abandoned_run_expires_while_a_kept_alive_run_lives(etcd_server: EtcdMem
         gone.close()
 
 
-def test_reusing_a_closed_run_id_raises_closed_error(etcd_server: EtcdMember, run_id: str) -> None:
+@pytest.mark.parametrize("impl", ["native", "dynamic"])
+def test_reusing_a_closed_run_id_raises_closed_error(etcd_server: EtcdMember, run_id: str, impl: str) -> None:
     def params() -> RendezvousParameters:
-        return RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 1, local_addr="127.0.0.1")
+        return RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 1, local_addr="127.0.0.1", impl=impl)
 
     handler = build_handler(params())
     assert handler.next_rendezvous().world_size == 1
@@ -164,7 +165,9 @@ def test_forged_pickle_never_reaches_torch(
     marker = tmp_path / "pwned"
     monkeypatch.setenv("S", SECRET)
     handler = build_handler(
-        RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", secret_env="S")
+        RendezvousParameters(
+            "etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", secret_env="S", impl="dynamic"
+        )
     )
     forger = parts_for(etcd_server.endpoint, run_id)
     try:
@@ -208,7 +211,9 @@ def test_crafted_pickle_in_etcd_runs_nothing(
     conf = {"secret_env": "S"} if signed else {}
     monkeypatch.setenv("S", SECRET)
     handler = build_handler(
-        RendezvousParameters("etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", **conf)
+        RendezvousParameters(
+            "etcd3", etcd_server.endpoint, run_id, 1, 2, local_addr="127.0.0.1", impl="dynamic", **conf
+        )
     )
     key = run_key("/torchelastic/etcd3", run_id, "state")
     if form == "bare-pickle":

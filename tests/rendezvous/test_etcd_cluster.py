@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .agents import RESTART_MARK, Agent, train_args
-from .conftest import EtcdCluster, etcdctl, wait_healthy
+from .conftest import ETCD_LIMITS, EtcdCluster, etcdctl, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -296,7 +296,7 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         ["ip", "netns", "exec", netns.e, etcd_binary, "--name", "p", "--data-dir", str(tmp_path / "etcd.data"),
          "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
          "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-         "--initial-cluster", "p=http://127.0.0.1:2380"],
+         "--initial-cluster", "p=http://127.0.0.1:2380", *ETCD_LIMITS],
         stdout=etcd_log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     etcd_log.close()
@@ -329,8 +329,11 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         for ns, addr, dev in ((netns.a, netns.a_ip, netns.va), (netns.e, netns.b_ip, netns.ve)):
             monkeypatch.setattr(sys, "executable", _in_netns(tmp_path, ns, sys.executable.__str__()))
             # gloo finds its address through the host name, which resolves outside the namespaces: name the device.
+            # The native handler counts a node as dead once its lease expires: a liveness timeout of 30 s (3 s x 10)
+            # rides out this 10 s cut. With the default 3 s, etcd sees A as dead and B re-forms without it.
             started.append(Agent(tmp_path / f"agent-{addr}.log", addr, "etcd3", endpoint, run_id, "2", 1, job,
-                                 env={"GLOO_SOCKET_IFNAME": dev}))  # fmt: skip
+                                 env={"GLOO_SOCKET_IFNAME": dev},
+                                 rdzv_conf="keep_alive_interval=3,keep_alive_max_attempt=10"))  # fmt: skip
             monkeypatch.undo()
         a, b = started
         a.wait_for(r"\[rank [01]\].*\bstep 5\b", 60)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO, EtcdMember
 
 
@@ -42,21 +44,33 @@ CREATE = (
     "import json, os\n"
     "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
     "from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler\n"
-    "h = get_rendezvous_handler(RendezvousParameters('etcd3', '{endpoint}', 'plugin-{tag}', 1, 2))\n"
+    "h = get_rendezvous_handler(RendezvousParameters('etcd3', '{endpoint}', 'plugin-{tag}', 1, 2, **{conf}))\n"
+    "s = getattr(h, 'settings', None)\n"
     "print(json.dumps([h.get_backend(), h.use_agent_store, os.environ['TORCH_DISABLE_SHARE_RDZV_TCP_STORE'],"
-    " h.settings.keep_alive_interval.total_seconds(), h.settings.timeout.last_call.total_seconds()]))\n"
+    " type(h).__name__, s and s.keep_alive_interval.total_seconds(), s and s.timeout.last_call.total_seconds()]))\n"
 )
+NATIVE = ["NativeRendezvousHandler", None, None]
+DYNAMIC = ["DynamicRendezvousHandler", 1.0, 1.0]
 
 
-def test_handler_turns_off_the_shared_tcp_store_by_default(etcd_server: EtcdMember) -> None:
-    done = run_python(CREATE.format(endpoint=etcd_server.endpoint, tag="default"))
+@pytest.mark.parametrize(("conf", "made"), [({}, NATIVE), ({"impl": "native"}, NATIVE), ({"impl": "dynamic"}, DYNAMIC)])
+def test_handler_turns_off_the_shared_tcp_store_by_default(etcd_server: EtcdMember, conf: dict, made: list) -> None:
+    done = run_python(CREATE.format(endpoint=etcd_server.endpoint, tag="default", conf=conf))
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == ["etcd3", False, "1", 1.0, 1.0]
+    assert json.loads(done.stdout) == ["etcd3", False, "1", *made]
 
 
-def test_an_explicit_user_setting_wins(etcd_server: EtcdMember) -> None:
+@pytest.mark.parametrize("impl", ["native", "dynamic"])
+def test_an_explicit_user_setting_wins(etcd_server: EtcdMember, impl: str) -> None:
     done = run_python(
-        CREATE.format(endpoint=etcd_server.endpoint, tag="user"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+        CREATE.format(endpoint=etcd_server.endpoint, tag="user", conf={"impl": impl}),
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[1:3] == [True, "0"]
+
+
+def test_an_unknown_impl_is_refused_by_name(etcd_server: EtcdMember) -> None:
+    done = run_python(CREATE.format(endpoint=etcd_server.endpoint, tag="bad", conf={"impl": "fancy"}))
+    assert done.returncode != 0
+    assert "The rendezvous option 'impl' is 'fancy'" in done.stderr and "'native' or 'dynamic'" in done.stderr

@@ -1,0 +1,327 @@
+"""The etcd-native handler (``impl=native``): sealing races, lease loss, watches across an etcd restart, scale.
+
+Real etcd servers, real handlers (in-process threads, or forked processes for
+the 64-node round); the rules of ``rounds.py`` also get a property test.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from service.rendezvous.backend import RunLostError
+from service.rendezvous.client import EtcdClient
+from service.rendezvous.factory import build_handler
+from service.rendezvous.lease import NodeLease
+from service.rendezvous.mirror import Entry
+from service.rendezvous.options import parse_options
+from service.rendezvous.records import Layout, NodeRecord, SealRecord
+from service.rendezvous.rounds import seal_due, try_join, try_seal, view_round
+
+from .conftest import REPO, EtcdMember, wait_healthy
+
+PREFIX = "/torchelastic/etcd3"
+SECRET = "correct horse battery staple"
+Make = Callable[..., Any]
+
+
+@pytest.fixture
+def make(run_id: str) -> Iterator[Make]:
+    """``make(endpoint, min, max, impl="native", **conf)``: a handler, closed on teardown."""
+    made: list[Any] = []
+
+    def build(endpoint: str, min_nodes: int, max_nodes: int, impl: str = "native", **conf: Any) -> Any:
+        conf = {"last_call_timeout": "0.3", "join_timeout": "60", **conf}
+        params = RendezvousParameters(
+            "etcd3", endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", impl=impl, **conf
+        )
+        handler = build_handler(params)
+        made.append(handler)
+        return handler
+
+    yield build
+    for handler in made:
+        handler.shutdown()
+
+
+def together(*calls: Callable[[], Any], timeout: float = 60) -> list[Any]:
+    """Run ``calls`` in threads at once; their results (or exceptions) in order."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # reported to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
+
+
+def client_for(endpoint: str) -> EtcdClient:
+    return EtcdClient(parse_options(endpoint, "probe", {"read_timeout": 2}).client)
+
+
+def wait_until(check: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"Not true within {timeout} s: {check}")
+
+
+# -- torch's handler contract, native next to dynamic ------------------------------------------
+@pytest.mark.parametrize("impl", ["native", "dynamic"])
+def test_two_form_a_world_and_a_third_waits_for_the_next_round(etcd_server: EtcdMember, make: Make, impl: str) -> None:
+    first = [make(etcd_server.endpoint, 2, 3, impl), make(etcd_server.endpoint, 2, 3, impl)]
+    infos = together(*(h.next_rendezvous for h in first))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} != set()
+    late = make(etcd_server.endpoint, 2, 3, impl, join_timeout="3")
+    outcome = together(late.next_rendezvous, lambda: wait_until(lambda: first[0].num_nodes_waiting() == 1, 20))
+    assert isinstance(outcome[0], RendezvousTimeoutError), outcome
+    assert not first[0].is_closed()
+    first[1].set_closed()
+    assert wait_until(first[0].is_closed, 10)
+
+
+# -- sealing races -------------------------------------------------------------------------------
+def _joined(client: EtcdClient, layout: Layout, round_no: int, names: list[str]) -> list[NodeLease]:
+    leases = []
+    for name in names:
+        lease = NodeLease(client, 10, 3, lambda reason: None)
+        record = NodeRecord(node=name, addr="127.0.0.1", pid=1, round=round_no)
+        assert try_join(client, layout, round_no, record, lease.grant(), None)[0] > 0
+        leases.append(lease)
+    return leases
+
+
+def _view(client: EtcdClient, layout: Layout, round_no: int) -> tuple[int, Any]:
+    revision, kvs = client.list_prefix(layout.base, "reading")
+    entries = {kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs}
+    return revision, view_round(layout, entries, round_no)
+
+
+def test_two_sealers_that_both_see_max_nodes_seal_once_and_read_the_same_record(
+    etcd_server: EtcdMember, run_id: str
+) -> None:
+    clients = [client_for(etcd_server.endpoint) for _ in range(2)]
+    layout = Layout.of(PREFIX, run_id)
+    leases = _joined(clients[0], layout, 0, ["b-node", "a-node", "c-node"])
+    try:
+        revision, view = _view(clients[0], layout, 0)
+        assert seal_due(view, 2, 2) == "now"  # both see max_nodes reached
+        barrier = threading.Barrier(2)
+
+        def seal(i: int) -> bool:
+            barrier.wait(10)
+            return try_seal(clients[i], layout, view, revision, 2, f"sealer-{i}", leases[0].grant())
+
+        won = together(lambda: seal(0), lambda: seal(1))
+        assert sorted(won) == [False, True], won
+        records = [_view(c, layout, 0)[1].seal for c in clients]
+        assert records[0] is not None and records[0] == records[1]
+        assert records[0].members == ["a-node", "b-node"]  # the first two joiners, ranked by node id
+    finally:
+        for lease in leases:
+            lease.revoke()
+        for c in clients:
+            c.close()
+
+
+def test_a_joiner_during_the_seal_is_either_sealed_in_or_refused(etcd_server: EtcdMember, run_id: str) -> None:
+    client = client_for(etcd_server.endpoint)
+    layout = Layout.of(PREFIX, run_id)
+    leases = _joined(client, layout, 0, ["a", "b"])
+    try:
+        revision, view = _view(client, layout, 0)
+        leases += _joined(client, layout, 0, ["c"])  # lands between the sealer's read and its write
+        assert not try_seal(client, layout, view, revision, 8, "a", leases[0].grant())
+        assert _view(client, layout, 0)[1].seal is None
+        revision, view = _view(client, layout, 0)
+        assert try_seal(client, layout, view, revision, 8, "a", leases[0].grant())
+        assert _view(client, layout, 0)[1].seal.members == ["a", "b", "c"]
+        late = NodeLease(client, 10, 3, lambda reason: None)
+        leases.append(late)
+        written, seal, closed = try_join(
+            client, layout, 0, NodeRecord(node="d", addr="x", pid=1, round=0), late.grant(), None
+        )
+        assert written == 0 and closed is None and SealRecord.model_validate_json(seal).members == ["a", "b", "c"]
+    finally:
+        for lease in leases:
+            lease.revoke()
+        client.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    revisions=st.lists(st.integers(1, 10_000), min_size=1, max_size=12, unique=True),
+    min_nodes=st.integers(1, 6),
+    extra=st.integers(0, 6),
+    earlier=st.integers(0, 2),
+    order=st.randoms(),
+)
+def test_members_are_the_first_joiners_whatever_order_the_keys_arrive_in(
+    revisions: list[int], min_nodes: int, extra: int, earlier: int, order: Any
+) -> None:
+    layout = Layout.of(PREFIX, "prop")
+    items = [
+        (
+            layout.node_key(3, f"n{r}"),
+            Entry(NodeRecord(node=f"n{r}", addr="h", pid=1, round=3).model_dump_json().encode(), r, r),
+        )
+        for r in revisions
+    ]
+    items += [(layout.node_key(2, f"old{i}"), Entry(b"{}", 1, 1)) for i in range(earlier)]
+    order.shuffle(items)
+    view = view_round(layout, dict(items), 3)
+    max_nodes = min_nodes + extra
+    assert [j.node for j in view.members(max_nodes)] == [f"n{r}" for r in sorted(revisions)][:max_nodes]
+    due = seal_due(view, min_nodes, max_nodes)
+    if earlier or len(revisions) < min_nodes:
+        assert due is None  # never while a previous member is still around, never below min
+    else:
+        assert due == ("now" if len(revisions) >= max_nodes else "last_call")
+
+
+# -- lease loss, departures, steady state ------------------------------------------------------------
+def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_server: EtcdMember, make: Make) -> None:
+    a, b = make(etcd_server.endpoint, 1, 2), make(etcd_server.endpoint, 1, 2)
+    assert {i.world_size for i in together(a.next_rendezvous, b.next_rendezvous)} == {2}
+    client = client_for(etcd_server.endpoint)
+    try:
+        client.call(lambda c: c.revoke_lease(a._lease._id), "revoking")  # what an expiry during a stall does
+    finally:
+        client.close()
+
+    def a_lost() -> bool:
+        try:
+            a.num_nodes_waiting()
+        except RunLostError as exc:
+            return "gone for this node" in str(exc) and "split brain" in str(exc)
+        return False
+
+    wait_until(a_lost, 5)
+    assert wait_until(b.num_nodes_waiting, 5) >= 1  # the survivor sees the departure
+    info = b.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    with pytest.raises(RunLostError):
+        a.next_rendezvous()  # sticky: the lost node never joins again
+    assert a.node not in b._members
+
+
+def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing(
+    etcd_server: EtcdMember, make: Make
+) -> None:
+    a, b = make(etcd_server.endpoint, 1, 2), make(etcd_server.endpoint, 1, 2)
+    together(a.next_rendezvous, b.next_rendezvous)
+    client = client_for(etcd_server.endpoint)
+    try:
+        before = client.list_prefix(b"/nothing/", "revision")[0]
+        time.sleep(3.5)  # more than a lease TTL of keep-alives
+        assert client.list_prefix(b"/nothing/", "revision")[0] == before  # keep-alives write no revision
+    finally:
+        client.close()
+    a._lease._stop.set()  # a dies: its keep-alives stop, nothing is cleaned up
+    died = time.monotonic()
+    wait_until(lambda: b.num_nodes_waiting() >= 1, 10)
+    assert time.monotonic() - died <= a._lease.ttl + 1.5
+
+
+def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(
+    etcd_private: EtcdMember, make: Make
+) -> None:
+    a, b = make(etcd_private.endpoint, 1, 2), make(etcd_private.endpoint, 1, 2)
+    together(a.next_rendezvous, b.next_rendezvous)
+    b_lease = b._lease._id
+    etcd_private.kill()
+    etcd_private.start()
+    etcd_private.wait_listening()
+    wait_healthy(etcd_private.endpoint)
+    client = client_for(etcd_private.endpoint)
+    try:
+        client.call(lambda c: c.revoke_lease(b_lease), "revoking")  # b departs while a's watch is being rebuilt
+        revision = client.list_prefix(b"/nothing/", "revision")[0]
+        client.call(lambda c: c.compact(revision, physical=True), "compacting")  # its delete event is gone
+    finally:
+        client.close()
+    assert wait_until(a.num_nodes_waiting, 20) >= 1
+    assert a._mirror.resyncs >= 1
+    info = a.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+
+
+# -- nothing from etcd is unpickled or trusted unsigned ------------------------------------------------
+@pytest.mark.parametrize("signed", [False, True], ids=["no-secret", "secret"])
+def test_planted_values_are_refused_and_nothing_runs(
+    etcd_server: EtcdMember, make: Make, run_id: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, signed: bool
+) -> None:
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("S", SECRET)
+    handler = make(etcd_server.endpoint, 1, 2, **({"secret_env": "S"} if signed else {}))
+    handler.next_rendezvous()
+    layout = Layout.of(PREFIX, run_id)
+    planted = layout.node_key(1, "intruder")
+    value = (
+        NodeRecord(node="intruder", addr="evil", pid=1, round=1).model_dump_json().encode()  # unsigned but valid
+        if signed
+        else pickle.dumps(_Touch(str(marker)))
+    )
+    client = client_for(etcd_server.endpoint)
+    try:
+        client.call(lambda c: c.put(planted, value), "planting")
+        deadline = time.monotonic() + 5
+        with pytest.raises(RendezvousStateError) as info:
+            while time.monotonic() < deadline:  # until the watch brings the planted key
+                handler.num_nodes_waiting()
+                time.sleep(0.05)
+    finally:
+        client.close()
+    assert planted.decode() in str(info.value) and not marker.exists()
+    assert ("unsigned value" if signed else "did not write") in str(info.value)
+
+
+class _Touch:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        from pathlib import Path
+
+        return (Path(self.path).touch, ())
+
+
+# -- scale --------------------------------------------------------------------------------------------
+def test_64_forked_handlers_complete_one_round(etcd_server: EtcdMember) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "rendezvous_scale.py"), "--one", "native", "64",
+         "--endpoint", etcd_server.endpoint],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    point = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in point, point
+    assert point["worlds"] == [64] and point["seconds"] < 60, point
+    assert point["writes_per_node"] <= 2, point  # one join, and a seal by one of them: O(1) per node
+    print(f"64 native handlers: one round in {point['seconds']:.2f} s, {point['requests_per_node']:.1f} requests/node")
