@@ -67,9 +67,13 @@ lint: install-test
 	$(PY) -m ruff format --check service tests bench examples
 	$(PY) -m mypy
 
-## test: the whole suite, real processes included.
+## test: the whole suite, real processes included. Most e2e tests wait (on rendezvous rounds, signals,
+## sleeps in their tasks) more than they compute, so two pytest workers halve the wall time on 2 cores;
+## each takes whole files (--dist loadfile), so a module's cluster or Prometheus fixture starts once.
+## TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 ## bench: the loop-overhead and rendezvous benchmarks (not tests; they print ratios).
 bench: install-test
