@@ -190,7 +190,11 @@ class Admin:
 
         def age(node: Any) -> float | None:
             beat = state.last_heartbeats.get(node)
-            return None if beat is None else round((now - beat).total_seconds(), 1)
+            if beat is None:
+                return None
+            if beat.tzinfo is None:  # older torch wrote datetime.utcnow(), naive but UTC
+                beat = beat.replace(tzinfo=timezone.utc)
+            return round((now - beat).total_seconds(), 1)
 
         info.round, info.complete, info.closed = state.round, state.complete, state.closed
         info.participants = [

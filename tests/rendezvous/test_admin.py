@@ -141,3 +141,25 @@ def test_show_never_runs_a_hostile_state(
     assert code == 1 and "Cannot tell whether run" in err and not marker.exists()
     assert rdzv(capsys, "retire", "--endpoint", etcd_server.endpoint, run_id, "--force")[0] == 0
     assert not marker.exists() and keys_of(etcd_server.endpoint, run_id) == []
+
+
+def test_show_reads_heartbeats_written_naive_by_an_older_torch(
+    etcd_server: EtcdMember, run_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Older torch stamped heartbeats with ``datetime.utcnow()`` (naive); ``show`` and ``list`` still give ages."""
+    from service.rendezvous.client import EtcdClient
+    from service.rendezvous.options import parse_options
+
+    from .states import state_bytes
+
+    key = f"{PREFIX}/{run_id}/state".encode()
+    client = EtcdClient(parse_options(etcd_server.endpoint, run_id, {}).client)
+    try:
+        client.call(lambda c: c.put(key, StateCodec(None).encode(state_bytes("old"), key)), "writing")
+    finally:
+        client.close()
+    code, out, _ = rdzv(capsys, "show", "--endpoint", etcd_server.endpoint, run_id, "--json")
+    assert code == 0
+    ages = [p["heartbeat_age"] for p in json.loads(out)["participants"]]
+    assert len(ages) == 2 and all(age > 0 for age in ages)  # one naive, one aware: both since 2024
+    assert rdzv(capsys, "list", "--endpoint", etcd_server.endpoint, "--json")[0] == 0

@@ -41,7 +41,8 @@ def member_status(cluster: EtcdCluster) -> list[dict]:
     """``etcdctl endpoint status`` of the members that run: endpoint, member id, leader id."""
     live = ",".join(m.endpoint for m in cluster.members if m.proc is not None)
     entries = json.loads(etcdctl(live, "endpoint", "status", "-w", "json"))
-    return [{"endpoint": e["Endpoint"], "id": e["Status"]["header"]["member_id"], "leader": e["Status"]["leader"]}
+    # A member without a leader (an election under way) has no "leader" field: protobuf drops a 0.
+    return [{"endpoint": e["Endpoint"], "id": e["Status"]["header"]["member_id"], "leader": e["Status"].get("leader")}
             for e in entries]  # fmt: skip
 
 
@@ -55,7 +56,7 @@ def leader_index(cluster: EtcdCluster, timeout: float = 20) -> int:
             status = []
         leaders = {entry["leader"] for entry in status}
         endpoint = next((entry["endpoint"] for entry in status if entry["id"] in leaders), None)
-        if status and len(leaders) == 1 and endpoint is not None:
+        if status and len(leaders) == 1 and None not in leaders and endpoint is not None:
             return next(i for i, m in enumerate(cluster.members) if endpoint.endswith(m.endpoint))
         assert time.monotonic() < deadline, f"no agreed leader among the running members: {status}"
         time.sleep(0.1)
