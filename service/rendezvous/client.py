@@ -143,7 +143,7 @@ class EtcdClient:
         ``callback`` gets pyetcd's ``WatchResponse`` objects, then an exception or
         ``None`` once when the stream ends.
         """
-        end = _prefix_end(prefix)
+        end = prefix_end(prefix)
 
         def create(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
             # "hasleader": etcd ends the watch when its member loses the leader (no quorum), instead of
@@ -335,19 +335,14 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def _prefix_end(prefix: bytes) -> bytes:
-    """The first key after every key that starts with ``prefix``."""
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (a range's end, for compares and deletes)."""
     data = bytearray(prefix)
     for i in reversed(range(len(data))):
         if data[i] < 0xFF:
             data[i] += 1
             return bytes(data[: i + 1])
     return b"\x00"
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """Public name of :func:`_prefix_end`, for range compares and deletes."""
-    return _prefix_end(prefix)
 
 
 def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

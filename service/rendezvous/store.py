@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from .client import EtcdClient, EtcdError, EtcdUncertainError, LeaseNotFoundError
+from .client import EtcdClient, EtcdError, EtcdUncertainError, LeaseNotFoundError, prefix_end
 from .lease import RunLease
 
 T = TypeVar("T")
@@ -125,7 +125,7 @@ class Etcd3Store(dist.Store):
 
     def num_keys(self) -> int:
         """How many keys the store holds."""
-        end = _prefix_end(self._prefix)
+        end = prefix_end(self._prefix)
         response = self._call(lambda c: c.get_range_response(self._prefix, end, count_only=True), "num_keys")
         return int(response.count)
 
@@ -220,13 +220,3 @@ class Etcd3Store(dist.Store):
             if expected != b"":
                 return expected  # absent key, non-empty expectation: torch's TCPStore answers so
             # Empty expectation raced with a delete: try again.
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The first key after every key that starts with ``prefix``."""
-    data = bytearray(prefix)
-    for i in reversed(range(len(data))):
-        if data[i] < 0xFF:
-            data[i] += 1
-            return bytes(data[: i + 1])
-    return b"\x00"
