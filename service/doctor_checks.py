@@ -21,6 +21,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
+from service.checkpoint_io import nearest_existing
 from service.config import JobConfig
 from service.rendezvous.options import ClientOptions, Endpoint, RendezvousOptions
 
@@ -252,18 +253,11 @@ def checkpoint_bytes(task: Any, config: JobConfig) -> int:
     return buffer.tell() + 64 * 1024  # loop state, RNG states, config: a few KiB
 
 
-def existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_run_dir(config: JobConfig, one_checkpoint: int | None) -> Check:
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         return fail("run_dir", f"{run_dir} is a file", "Point run_dir at a directory (or remove the file).")
-    base = existing_parent(run_dir)
+    base = nearest_existing(run_dir.absolute())
     try:
         with tempfile.NamedTemporaryFile(dir=base, prefix=".doctor-") as probe:
             probe.write(b"\0" * 4096)

@@ -35,7 +35,7 @@ class Roles:
 
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
                 device_is_cuda: bool = False, resumed_step: int | None = None,
-                lineage: str | None = None) -> Roles:  # fmt: skip
+                lineage: str | None = None, backend: str = "none") -> Roles:  # fmt: skip
     """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
     run_dir = Path(config.run_dir)
     is_rank0 = world.rank == 0
@@ -48,7 +48,7 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     if base_port:
         port = 0 if base_port == "auto" else int(base_port) + world.local_rank
         sinks.append(PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
-                                    _backend(), base_port, config.metrics.allreduce_timing))  # fmt: skip
+                                    backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
     checkpointer = (
@@ -61,9 +61,3 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
     return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace)
-
-
-def _backend() -> str:
-    import torch.distributed as dist
-
-    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"

@@ -173,6 +173,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
             dist_ctx.is_cuda,
             resumed.step if resumed else None,
             resumed.state.get("lineage") if resumed else None,
+            dist_ctx.backend,
         ),
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
