@@ -266,10 +266,16 @@ def load_state(payload: bytes, source: str) -> dict[str, Any]:
     return state
 
 
-def scan(directory: Path) -> Iterator[tuple[Manifest, bytes]]:
-    """Valid checkpoints, newest first; each invalid one is skipped with a warning that names it."""
+def scan(directory: Path, lineages: Collection[str | None] | None = None) -> Iterator[tuple[Manifest, bytes]]:
+    """Valid checkpoints, newest first; each invalid one is skipped with a warning that names it.
+
+    With ``lineages``, a checkpoint whose manifest names another lineage is
+    passed over before its state file is read.
+    """
     for step in candidate_steps(directory):
         try:
+            if lineages is not None and read_manifest(directory, step).lineage not in lineages:
+                continue
             yield read_verified(directory, step)
         except ValueError as exc:
             log.warning("skipping checkpoint %s: %s", directory / state_name(step), exc)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.env import EnvError, WorldInfo, detect_world
+from service.preemption import Preemption
 from service.preflight import check_against_world
 from service.rendezvous import admin as rdzv_admin
 
@@ -56,12 +57,23 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "rdzv":
         return rdzv_admin.run(args)
+    # First thing for train: a preemption during start-up (torch loading, the lock, the rendezvous, the resume)
+    # is kept until the loop's first agreement, instead of killing the process before it writes any summary.
+    preemption = Preemption() if args.command == "train" else None
+    try:
+        return _command(args, env, preemption)
+    finally:
+        if preemption is not None:
+            preemption.close()
+
+
+def _command(args: argparse.Namespace, env: Mapping[str, str], preemption: Preemption | None) -> int:
     try:
         if args.command == "env":
             print(detect_world(env).to_json())
             return 0
         config = load_config(args.config, args.overrides)
-        if args.command == "validate":
+        if preemption is None:  # validate: only train installs the handlers
             print(config_as_yaml(config), end="")
             return 0
         world = detect_world(env)
@@ -69,7 +81,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except (ConfigError, EnvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return train_command(config, world)
+    return train_command(config, world, preemption)
 
 
 def _record(function):  # noqa: ANN001, ANN202
@@ -79,24 +91,24 @@ def _record(function):  # noqa: ANN001, ANN202
     return record(function)
 
 
-def train_command(config: JobConfig, world: WorldInfo) -> int:
+def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
     from service.logs import configure_logging
 
     configure_logging(world.rank)
-    return _record(_train)(config, world)
+    return _record(_train)(config, world, preemption)
 
 
-def _train(config: JobConfig, world: WorldInfo) -> int:
+def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
     from service.consistency import ConfigMismatchError
 
     try:
-        return _train_in_group(config, world)
+        return _train_in_group(config, world, preemption)
     except ConfigMismatchError as exc:  # every rank sees it at start: no traceback, a code wrappers read
         log.error("%s", exc)
         return exc.exit_code
 
 
-def _train_in_group(config: JobConfig, world: WorldInfo) -> int:
+def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
     from service.distributed import distributed
     from service.orphans import guard_against_orphaning
     from service.preemption import EXIT_COMPLETED, EXIT_PREEMPTED
@@ -105,7 +117,7 @@ def _train_in_group(config: JobConfig, world: WorldInfo) -> int:
     guard_against_orphaning(world)  # before anything that could outlive a dead agent
     with build_run_dir_guard(config, world).held(), \
             distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:  # fmt: skip
-        summary = _run_job(config, world, dist_ctx)
+        summary = _run_job(config, world, dist_ctx, preemption)
     if summary["status"] == "preempted":
         log.warning("preempted: stopped at step %d after saving its checkpoint; run the same command to resume",
                     summary["global_step"])  # fmt: skip
@@ -116,11 +128,11 @@ def _train_in_group(config: JobConfig, world: WorldInfo) -> int:
     return EXIT_COMPLETED
 
 
-def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> dict:
+def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption) -> dict:
     """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
     from service.train import build_job, train
 
-    job = build_job(config, world, dist_ctx)
+    job = build_job(config, world, dist_ctx, preemption)
     try:
         return train(job)
     finally:

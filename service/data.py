@@ -7,17 +7,34 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from service.config import DataConfig
 from service.env import WorldInfo
-from service.preemption import ignore_in_data_workers
+from service.preemption import held_back, ignore_in_data_workers
 from service.sampler import DataPlan, PlanSampler, StepPlan
+
+
+class SignalSafeLoader(DataLoader):
+    """A DataLoader whose worker processes start with the preemption signals blocked.
+
+    A signal in the moment a worker starts (torchrun signals the whole process
+    group) would otherwise kill it before its ``worker_init_fn`` ignores the
+    signal, and fail the job. Workers start in ``iter()``: once for persistent
+    ones, at every pass for the eval loader's.
+    """
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        if not self.num_workers:
+            return super().__iter__()
+        with held_back():
+            return super().__iter__()
 
 
 def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) -> tuple[DataLoader, PlanSampler]:
     """Micro-batches in plan order; call ``sampler.position(epoch, cursor)`` before each pass."""
     sampler = PlanSampler(plan)
-    loader = DataLoader(
+    loader = SignalSafeLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=data.num_workers,
@@ -32,8 +49,8 @@ def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) 
 def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: WorldInfo) -> DataLoader:
     """Every eval sample exactly once across ranks: no padding duplicates, so all-reduced means are exact."""
     shard = range(world.rank, len(dataset), world.world_size)  # type: ignore[arg-type]
-    return DataLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=data.num_workers,
-                      pin_memory=data.pin_memory, worker_init_fn=ignore_in_data_workers)  # fmt: skip
+    return SignalSafeLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=data.num_workers,
+                            pin_memory=data.pin_memory, worker_init_fn=ignore_in_data_workers)  # fmt: skip
 
 
 class SampleTrace:

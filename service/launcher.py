@@ -10,7 +10,11 @@ the choices a first user would otherwise have to make:
 - SIGUSR1 joins the signals the agent handles (Slurm's ``--signal=USR1@90``):
   torchrun's default list leaves it out, and an unhandled SIGUSR1 kills the
   agent. A handled signal is forwarded to the workers, which checkpoint at the
-  next step and exit 75 (``service/preemption.py``).
+  next step and exit 75 (``service/preemption.py``);
+- those signals are handled from the first moment, not only once torchrun has
+  started workers (its agent installs its handlers then): one during start-up
+  or the first rendezvous ends the launch as preempted (75), with no worker
+  started and nothing lost.
 
 Every other torchrun option passes through unchanged; the options are parsed
 by torchrun's own ``get_args_parser()`` and the job runs through
@@ -32,6 +36,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from service.config import ConfigError, JobConfig, load_config
 from service.env import WorldInfo
@@ -43,6 +49,7 @@ log = logging.getLogger("service.launcher")
 EXIT_BAD_INPUT = 2
 CPU_PROCESSES = 2  # --nproc-per-node auto without a GPU
 EXTRA_SIGNALS = ("SIGUSR1",)
+DEFAULT_SIGNALS = ",".join(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *EXTRA_SIGNALS))
 # A token no one types: it ends the argument list, so torchrun's parser, whose first positional takes the
 # rest of the line, can be run again on what follows the job file.
 _END = "\x00end-of-arguments"
@@ -82,9 +89,17 @@ class Outcome:
 
 
 def exit_code(outcome: Outcome) -> int:
-    """0 completed, 75 preempted (a checkpoint of the step is saved), 2 bad input, 1 failed."""
+    """0 completed, 75 preempted (a checkpoint of the step is saved), 2 bad input, 1 failed.
+
+    A signalled agent whose workers wrote no summary (the signal came in
+    start-up, in the rendezvous, or before any worker reached training) is
+    preempted too: nothing failed, and the rerun resumes from the newest
+    checkpoint.
+    """
     codes = outcome.failed_codes
     if outcome.summary_status == "preempted" or (codes and all(code == EXIT_PREEMPTED for code in codes)):
+        return EXIT_PREEMPTED
+    if outcome.signal is not None and not codes and outcome.summary_status is None:
         return EXIT_PREEMPTED
     if EXIT_BAD_INPUT in codes:
         return EXIT_BAD_INPUT
@@ -116,7 +131,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     if "PET_NPROC_PER_NODE" not in environ:
         parser.set_defaults(nproc_per_node="auto")
     if "PET_SIGNALS_TO_HANDLE" not in environ:
-        parser.set_defaults(signals_to_handle=",".join(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *EXTRA_SIGNALS)))
+        parser.set_defaults(signals_to_handle=DEFAULT_SIGNALS)
     return parser
 
 
@@ -207,12 +222,43 @@ def _resolve_rendezvous(namespace: argparse.Namespace) -> list[str]:
 # --------------------------------------------------------------------------- running
 
 
+class _Signalled(Exception):
+    """A handled signal before the agent runs (torch, whose exception the agent expects, is not loaded yet)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.sigval = signal.Signals(signum)
+
+
+def _raise_signalled(signum: int, frame: FrameType | None) -> None:
+    raise _Signalled(signum)
+
+
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     """``ddp-service launch``: validate, run torchrun's agent in this process, and say how the job ended."""
     environ = os.environ if environ is None else environ
     _configure_logging()
+    # First thing: loading torch alone takes seconds, and torchrun's agent handles signals only once it has
+    # started workers. Until then a handled signal ends the launch as preempted.
+    early = _signals(environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS)
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in early}
+    try:
+        return _launch(argv, environ, previous)
+    except _Signalled as exc:
+        log.warning("launch: got %s before torchrun's agent started; no worker ran", exc.sigval.name)
+        code = exit_code(Outcome(signal=exc.sigval.name))
+        log.info("launch: exit %d (%s)", code, _MEANING[code])
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a handler not from Python
+
+
+def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[signal.Signals, Any]) -> int:
     try:
         request = parse_request(argv, environ)
+        for sig in set(early) - set(_signals(request.torchrun.signals_to_handle)):
+            signal.signal(sig, early[sig] or signal.SIG_DFL)  # an explicit --signals-to-handle left it out
         config = load_config(request.config_path, request.overrides)
         nproc = int(request.torchrun.nproc_per_node)
         check_against_world(config, WorldInfo(launcher="torchrun", world_size=nproc, local_world_size=nproc))
@@ -237,8 +283,15 @@ def run_agent(request: LaunchRequest, config: JobConfig) -> Outcome:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
+    def raise_in_agent(signum: int, frame: FrameType | None) -> None:
+        """What torchrun's agent installs once it starts workers; here from before its first rendezvous."""
+        sig = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
     started = time.time()
     summary = Path(config.run_dir) / "summary.json"
+    for sig in _signals(request.torchrun.signals_to_handle):
+        signal.signal(sig, raise_in_agent)
     log.info("launch: torchrun %s", _describe(request.torchrun))
     try:
         run(request.torchrun)
@@ -269,12 +322,16 @@ def _fresh_status(summary: Path, since: float) -> str | None:
         return None
 
 
+def _signals(names: str) -> list[signal.Signals]:
+    """The signals of a torchrun ``--signals-to-handle`` list (SIGTERM,SIGUSR1); unknown names are left out."""
+    found = (getattr(signal, name.strip(), None) for name in names.split(","))
+    return [sig for sig in found if isinstance(sig, signal.Signals)]
+
+
 def _restore_signals(names: str) -> None:
     """torchrun's handlers raise in this process; once the agent is done, a signal has its default effect."""
-    for name in names.split(","):
-        sig = getattr(signal, name.strip(), None)
-        if isinstance(sig, signal.Signals):
-            signal.signal(sig, signal.SIG_DFL)
+    for sig in _signals(names):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _describe(namespace: argparse.Namespace) -> str:

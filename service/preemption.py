@@ -1,13 +1,17 @@
 """Preemption: SIGTERM or SIGUSR1 sets a flag; at the next optimizer-step boundary every rank learns it.
 
 A signal handler only sets a flag, so no rank dies inside a collective. The
-loop asks :meth:`Preemption.stop_now` after each optimizer step; one small
+``train`` command installs it first thing, before torch loads, the run_dir
+lock, the process group and the resume, so a signal in any of them is kept.
+The loop asks :meth:`Preemption.stop_now` after each optimizer step; one small
 all-reduce (MAX over the ranks' flags) makes a signal that reached one rank,
 or one node, stop them all at the same step. With steps of a few
 milliseconds the ranks check every few steps instead, about every 0.1 s (see
 :class:`Preemption`), so the check costs well under 1% of the step time.
-Rank 0 then saves, everyone meets at a barrier, and the workers exit with
-:data:`EXIT_PREEMPTED`.
+The loop also agrees once before the first step and after each evaluation
+(:meth:`Preemption.stop_here`), so a signal during start-up, an evaluation or
+a checkpoint stops the job at the step it stands at. Rank 0 then saves,
+everyone meets at a barrier, and the workers exit with :data:`EXIT_PREEMPTED`.
 
 Exit codes of a worker (and of ``ddp-service train``):
 
@@ -21,11 +25,12 @@ Exit codes of a worker (and of ``ddp-service train``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -46,9 +51,36 @@ def ignore_in_data_workers(worker_id: int) -> None:
     would fail with "DataLoader worker ... is killed by signal: Terminated"
     before the step boundary where the trainer stops. The trainer process owns
     its loader processes and stops them itself.
+
+    The worker starts with the signals blocked (:func:`held_back`, around the
+    loader's start), so one that came before this point is still pending:
+    ``SIG_IGN`` discards it, and only then are the signals unblocked.
     """
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextlib.contextmanager
+def held_back(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
+    """Block ``signals`` in this thread while it starts DataLoader worker processes.
+
+    A forked (or spawned) child inherits the blocked mask, so it cannot die of
+    a signal in the moment between its birth and :func:`ignore_in_data_workers`
+    (torch installs a SIGTERM handler that exits there first). The trainer loses
+    nothing: the other threads of the process take the signal meanwhile, or it
+    stays pending until the mask is restored, and then sets the flag.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def alone(local: bool, proposal: int) -> tuple[bool, int]:
+    """The agreement of a process that is not in a process group yet: its own flag and proposal."""
+    return local, proposal
 
 
 class Preemption:
@@ -63,11 +95,14 @@ class Preemption:
     step takes ``interval`` or longer. A stop therefore comes at most about
     ``interval`` seconds of training after the signal, at the same step on
     every rank.
+
+    The handlers go in when the object is made, before any process group: the
+    agreement is :func:`alone` until :meth:`connect` makes it the collective.
     """
 
     def __init__(
         self,
-        agree: Callable[[bool, int], tuple[bool, int]],
+        agree: Callable[[bool, int], tuple[bool, int]] = alone,
         interval: float = 0.1,
         signals: tuple[signal.Signals, ...] = SIGNALS,
         clock: Callable[[], float] = time.monotonic,
@@ -86,9 +121,18 @@ class Preemption:
             log.warning("%s received: stopping at the next optimizer-step boundary, after a checkpoint",
                         self.received)  # fmt: skip
 
+    def connect(self, agree: Callable[[bool, int], tuple[bool, int]]) -> None:
+        """From now on the flag is agreed with every rank (the control group is up)."""
+        self.agree = agree
+
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    def stop_here(self) -> bool:
+        """An agreement now, whatever the countdown: before the first step and after an evaluation."""
+        self._countdown = 1
+        return self.stop_now()
 
     def stop_now(self) -> bool:
         """Called after every optimizer step; True on every rank, at the same step, once any rank was signalled."""

@@ -100,16 +100,35 @@ def check_compatible(resumed: Resumed, config: JobConfig) -> None:
         )
 
 
-def _newest_local(directory: Path) -> tuple[Manifest, bytes] | None:
-    return next(scan(directory), None)
+def _newest_local(directory: Path, lineage: str | None = None) -> tuple[Manifest, bytes] | None:
+    return next(scan(directory, None if lineage is None else {lineage}), None)
 
 
-def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any, mode: str) -> Resumed | None:
-    """The checkpoint every rank resumes from, or None to start at step 0. A collective."""
-    if mode == "never":
+def job_lineage(run_id: str | None) -> str | None:
+    """The lineage a ``checkpoint.resume=never`` job starts: one name per job, so its restarts know their own.
+
+    Every start of the job (a torchrun restart, a new rendezvous round) has the
+    same launcher run id (``TORCHELASTIC_RUN_ID``; bare srun: the Slurm job
+    id), so it finds the checkpoints the job wrote under this name. None
+    without a run id: every start is then a first one.
+    """
+    if not run_id:
+        return None
+    return hashlib.sha256(f"ddp-service job {run_id}".encode()).hexdigest()[:32]
+
+
+def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any, mode: str,
+                        lineage: str | None = None) -> Resumed | None:  # fmt: skip
+    """The checkpoint every rank resumes from, or None to start at step 0. A collective.
+
+    ``never`` resumes only from checkpoints of ``lineage`` (this job's own, see
+    :func:`job_lineage`): the first start of the job finds none and starts
+    afresh; its restarts and new rounds find what it wrote.
+    """
+    if mode == "never" and lineage is None:
         return None
     started = time.perf_counter()
-    local = _newest_local(directory)
+    local = _newest_local(directory, lineage if mode == "never" else None)
     steps = torch.tensor([local[0].step if local else -1], dtype=torch.int64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
     newest = int(steps.item())

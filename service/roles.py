@@ -51,9 +51,10 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
                                     backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
+    fresh = ckpt.resume == "never" and resumed_step is None  # never: the job's first start; its restarts resume
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
-                          ckpt.async_save, start_fresh=ckpt.resume == "never", pin=device_is_cuda,
+                          ckpt.async_save, start_fresh=fresh, pin=device_is_cuda,
                           saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint)
         if is_rank0
         else Checkpointer()

@@ -34,7 +34,15 @@ from service.metrics import EvalReport, StepReport, count_tokens
 from service.nonfinite import NonfiniteGuard
 from service.parallel import settle_buckets, unwrap, wrap_model
 from service.preemption import Preemption
-from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, restore, rng_state
+from service.resume import (
+    Resumed,
+    agree_on_checkpoint,
+    check_compatible,
+    config_hash,
+    job_lineage,
+    restore,
+    rng_state,
+)
 from service.roles import Roles, build_roles
 from service.sampler import DataPlan, PlanSampler, StepPlan
 from service.summary import make_summary
@@ -129,17 +137,20 @@ def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> in
     return min(total, train.max_steps) if train.max_steps else total
 
 
-def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job:
+def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None) -> Job:
+    """The job of this start; ``preemption``: the handlers the command installed first thing (else new ones)."""
     global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
     check_same_config(config, world.world_size, dist_ctx.control)
-    preemption = Preemption(any_rank(dist_ctx.control))
+    preemption = preemption or Preemption()
+    preemption.connect(any_rank(dist_ctx.control))
     torch.manual_seed(config.seed)
     task = load_task(config.task, config.seed, config.task_options)
     train = config.train
     model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
     checkpoints = Path(config.run_dir) / "checkpoints"
+    own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
-                                  config.checkpoint.resume)  # fmt: skip
+                                  config.checkpoint.resume, own)  # fmt: skip
     if resumed is not None:
         check_compatible(resumed, config)
     state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
@@ -172,7 +183,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext) -> Job
             config_hash(config),
             dist_ctx.is_cuda,
             resumed.step if resumed else None,
-            resumed.state.get("lineage") if resumed else None,
+            resumed.state.get("lineage") if resumed else own,
             dist_ctx.backend,
         ),
         preemption=preemption,
@@ -361,6 +372,9 @@ def train(job: Job) -> dict[str, Any]:
     start_samples = state.samples_seen
     try:
         while True:
+            if job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint: stop here
+                status = "preempted"
+                break
             outcome = train_epoch(job, state, window)
             if outcome == "preempted":
                 status = "preempted"
