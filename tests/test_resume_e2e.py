@@ -355,3 +355,52 @@ def test_a_node_without_the_checkpoint_receives_it_and_never_starts_older(tmp_pa
     assert logs.count("resuming from") == 2 and " INFO step 1/" not in logs  # nobody started over
     rank0_dir = shared if "[rank 0] INFO resuming from " + str(shared) in logs else empty
     assert read_summary(rank0_dir)["resumed_from"]["step"] == 8
+
+
+def test_sigterm_while_the_eval_loader_starts_its_workers_ends_preempted_at_that_step(tmp_path):
+    """Issue 15, finding 3, without the race: each eval-loader worker signals its rank's process group (as the agent
+    does) the moment torch has put its worker handlers in, before ``worker_init_fn``. The workers must not die of
+    it ("DataLoader worker ... is killed by signal: Terminated"), and the run stops preempted at the epoch's end."""
+    run_dir = tmp_path / "run"
+    done = run_job(run_dir, 2, "task=signal_tasks:sigterm_at_eval_start", "task_options.image_size=16",
+                   "task_options.train_size=48", "task_options.eval_size=16", "train.epochs=3",
+                   "data.num_workers=2", expect_ok=False)  # fmt: skip
+    assert "killed by signal" not in done.stdout, done.stdout[-4000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted", done.stdout[-4000:]
+    assert (summary["stopped_at_step"], summary["epochs_completed"]) == (3, 1)  # 48 samples, 16 a step
+    assert summary["final_loss"] is not None  # the evaluation the signal came in finished
+    assert manifest_steps(run_dir) == [3]
+    for rank in (0, 1):
+        assert f"[rank {rank}] WARNING SIGTERM received" in done.stdout
+        assert f"[rank {rank}] WARNING preempted: stopped at step 3 " in done.stdout
+
+
+def test_resume_never_starts_afresh_once_and_a_torchrun_restart_resumes_its_own_checkpoint(tmp_path):
+    """Issue 15, finding 4: a SIGKILLed worker under --max-restarts=1 with checkpoint.resume=never. The first start
+    moves the earlier run's checkpoint aside; the restart resumes from the job's own checkpoint (same run id, so the
+    same lineage), instead of moving it aside too and training from step 1."""
+    from service.checkpoint_io import write_checkpoint
+
+    run_dir = tmp_path / "run"
+    earlier = write_checkpoint(run_dir / "checkpoints", 50, {"format": 1}, "0" * 64, lineage="an-earlier-run")
+    job = (*SLOW, "train.max_steps=18", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
+           "checkpoint.resume=never")  # fmt: skip
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000006\.pt", timeout=120)
+        killed_at = time.monotonic()
+        os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+        restarted = watcher.wait_for(r"process group up: attempt 1", timeout=60, after=killed_at)
+        watcher.wait_for(r"resuming from .*step-0000000(6|12)\.pt", timeout=60, after=restarted)
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert (summary["status"], summary["restarts"], summary["global_step"]) == ("completed", 1, 18)
+    assert summary["resumed_from"]["step"] in (6, 12)
+    archived = list(run_dir.glob("checkpoints.before-*"))
+    moved = [sorted(file.name for file in path.iterdir()) for path in archived]
+    assert moved == [["step-00000050.json", earlier.file]], moved  # moved aside once, by the first start
+    lineages = {json.loads(path.read_text())["lineage"] for path in (run_dir / "checkpoints").glob("step-*.json")}
+    assert len(lineages) == 1 and "an-earlier-run" not in lineages
