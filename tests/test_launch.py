@@ -3,6 +3,7 @@ a bad config, a signal mid-run and torchrun options that reach the agent (e2e)."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -123,6 +124,8 @@ def test_the_exit_code_tells_completed_preempted_bad_input_and_failed_apart(fail
     assert (code == 0) == (not failed and sig is None and status in (None, "completed"))
     if status == "preempted" or (failed and set(failed) == {EXIT_PREEMPTED}):
         assert code == EXIT_PREEMPTED  # a checkpoint of the step exists: rerun to resume
+    elif sig is not None and not failed and status is None:
+        assert code == EXIT_PREEMPTED  # signalled before any worker wrote a summary: nothing failed
     elif 2 in failed:
         assert code == 2
 
@@ -228,3 +231,72 @@ def test_sigterm_then_sigusr1_mid_run_exit_75_and_each_start_resumes_from_the_la
         assert (run_dir / "checkpoints" / f"step-{stopped:08d}.pt").is_file()
     first, second = summaries
     assert second["resumed_from"]["step"] == first["stopped_at_step"] < second["stopped_at_step"]
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (the SigCgt mask in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.e2e
+def test_a_signal_before_the_agent_started_workers_ends_the_launch_preempted(tmp_path):
+    """Issue 15, finding 5: SIGTERM while launch still loads torch, then while its agent waits in the first
+    rendezvous (a second node that never comes). torchrun's agent handles signals only once it has started
+    workers; before that the signal killed launch (-15) with no summary, and no wrapper requeued."""
+    run_dir = tmp_path / "run"
+    proc, watcher = start("--nproc-per-node=1", "--set", f"run_dir={run_dir}")
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(proc.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline and proc.poll() is None, watcher.text()[-3000:]
+            time.sleep(0.01)
+        assert "launch: torchrun" not in watcher.text()  # torch is still loading: the handler came first
+        os.kill(proc.pid, signal.SIGTERM)
+        assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    assert "got SIGTERM before torchrun's agent started; no worker ran" in watcher.text()
+
+    proc, watcher = start("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=never-complete",
+                          "--set", f"run_dir={run_dir}")  # fmt: skip
+    try:
+        watcher.wait_for(r"launch: torchrun --nnodes=2", timeout=120)
+        time.sleep(1.0)  # in the rendezvous, which waits for the second node
+        os.kill(proc.pid, signal.SIGTERM)
+        assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    assert "exit 75 (preempted" in watcher.text() and "[rank" not in watcher.text()  # no worker ran
+    assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.e2e
+def test_sigterm_while_a_resuming_worker_starts_up_ends_preempted_at_the_resumed_step(tmp_path):
+    """Issue 15, finding 5: the agent is signalled while its worker is in start-up, before the process group (held
+    there on purpose: the run_dir lock of this same run id on another host, as after a lost node). The worker must
+    keep the signal, resume, and stop preempted at the resumed step with exit 75, not die of it."""
+    run_dir = tmp_path / "run"
+    args = ("--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=lock-held", "--set", f"run_dir={run_dir}", "--set", "task_options.image_size=16")  # fmt: skip
+    proc, watcher = start(*args, "--set", "train.max_steps=3")
+    assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+
+    lock = run_dir / ".lock"
+    lock.write_text(json.dumps({"host": "another-node.invalid", "pid": 1, "pid_start": None,
+                                "run_id": "lock-held", "started": time.time(), "token": "x"}))  # fmt: skip
+    proc, watcher = start(*args, "--set", "train.max_steps=6")
+    try:
+        watcher.wait_for(r"held by .* of this same run; waiting", timeout=120)
+        os.kill(proc.pid, signal.SIGTERM)
+        watcher.wait_for(r"\[rank 0\] WARNING SIGTERM received", timeout=30)
+        lock.unlink()  # the other node's rank 0 is gone: start-up goes on, with the signal kept
+        assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert (summary["status"], summary["stopped_at_step"], summary["resumed_from"]["step"]) == ("preempted", 3, 3)
+    assert "[rank 0] INFO step 4/" not in watcher.text()

@@ -750,3 +750,77 @@ def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     finally:
         watch.close()
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_its_signal(monkeypatch):
+    """Issue 15, finding 3, in real DataLoader processes: SIGTERM reaches each worker right after torch has put its
+    worker handlers in, before ``worker_init_fn`` ignores it; the workers are born with it blocked, so they live.
+    The trainer's own signal while it starts workers is kept, not lost."""
+    import signal
+
+    from torch.utils.data._utils import signal_handling
+
+    from service.config import DataConfig
+    from service.data import eval_loader
+    from service.env import WorldInfo
+    from service.preemption import Preemption, held_back
+
+    installed = signal_handling._set_worker_signal_handlers
+
+    def install_then_signal(*args: object) -> None:
+        installed(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # this worker, in the moment before its worker_init_fn
+
+    monkeypatch.setattr(signal_handling, "_set_worker_signal_handlers", install_then_signal)
+    dataset = TensorDataset(torch.arange(12.0).unsqueeze(1), torch.zeros(12))
+    loader = eval_loader(dataset, 4, DataConfig(num_workers=2), WorldInfo(launcher="none"))
+    watch = Preemption()
+    try:
+        for _ in range(2):  # the eval loader starts fresh workers at every pass
+            assert [inputs.squeeze(1).tolist() for inputs, _ in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert watch.received is None  # the workers' signals stayed theirs
+        with held_back():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.received == "SIGTERM"
+    finally:
+        watch.close()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # nothing left blocked here
+
+
+def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
+    from service.preemption import Preemption
+
+    calls: list[tuple[bool, int]] = []
+
+    def agree(local: bool, proposal: int) -> tuple[bool, int]:
+        calls.append((local, proposal))
+        return local, 50
+
+    now = [0.0]
+    watch = Preemption(interval=0.1, clock=lambda: now[0])
+    try:
+        now[0] += 0.5  # start-up took 0.5 s
+        assert watch.stop_here() is False  # before the process group: its own flag, no collective
+        watch.connect(agree)
+        now[0] += 0.01
+        assert watch.stop_now() is False and len(calls) == 1  # the ranks agree on 50 steps to the next check
+        assert watch.stop_now() is False and len(calls) == 1
+        watch.received = "SIGTERM"  # as the handler sets it, e.g. during an evaluation
+        assert watch.stop_here() is True and calls[-1][0] is True  # at once, not 48 steps later
+    finally:
+        watch.close()
+
+
+def test_a_never_job_finds_only_its_own_lineage_and_reads_no_other(tmp_path):
+    """``resume=never``: the lineage is one per run id, so a restart finds what its job wrote; another run's
+    checkpoints are passed over on their manifest, before a byte of their state is read."""
+    from service.resume import job_lineage
+
+    own = job_lineage("run-1")
+    assert own == job_lineage("run-1") != job_lineage("run-2") and job_lineage(None) is None
+    directory = tmp_path / "checkpoints"
+    checkpoint_io.write_checkpoint(directory, 4, make_state(4.0), HASH, lineage=own)
+    checkpoint_io.write_checkpoint(directory, 8, make_state(8.0), HASH, lineage="another-run")
+    (directory / "step-00000008.pt").write_bytes(b"broken")  # would be reported if it were read
+    assert [manifest.step for manifest, _ in checkpoint_io.scan(directory, {own})] == [4]
+    assert [manifest.step for manifest, _ in checkpoint_io.scan(directory)] == [4]  # 8 is skipped as broken
