@@ -21,7 +21,8 @@ class SignalSafeLoader(DataLoader):
     A signal in the moment a worker starts (torchrun signals the whole process
     group) would otherwise kill it before its ``worker_init_fn`` ignores the
     signal, and fail the job. Workers start in ``iter()``: once for persistent
-    ones, at every pass for the eval loader's.
+    ones, at every pass for the eval loader's. Forked and spawned workers
+    inherit the mask (Linux's default start method here is fork).
     """
 
     def __iter__(self) -> _BaseDataLoaderIter:

@@ -404,3 +404,29 @@ def test_resume_never_starts_afresh_once_and_a_torchrun_restart_resumes_its_own_
     assert moved == [["step-00000050.json", earlier.file]], moved  # moved aside once, by the first start
     lineages = {json.loads(path.read_text())["lineage"] for path in (run_dir / "checkpoints").glob("step-*.json")}
     assert len(lineages) == 1 and "an-earlier-run" not in lineages
+
+
+def test_resume_never_resumes_a_new_round_of_its_run_id_and_a_new_run_id_starts_afresh(tmp_path):
+    """Issue 15, finding 4, for rendezvous rounds: a worker of a new round sees the same run id and restart count 0,
+    as a fresh torchrun with the same --rdzv-id does. It resumes its job's lineage; another run id starts afresh."""
+    import socket
+
+    run_dir = tmp_path / "run"
+
+    def start_job(run_id: str, max_steps: int) -> dict:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        launcher = ("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--nnodes=1")
+        cmd = torchrun_cmd(1, f"run_dir={run_dir}", *ONE, "checkpoint.resume=never", f"train.max_steps={max_steps}",
+                           launcher=launcher)  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return read_summary(run_dir)
+
+    assert start_job("job-a", 4)["resumed_from"] is None
+    assert start_job("job-a", 8)["resumed_from"]["step"] == 4
+    assert not list(run_dir.glob("checkpoints.before-*"))
+    fresh = start_job("job-b", 4)
+    assert fresh["resumed_from"] is None and fresh["global_step"] == 4
+    assert len(list(run_dir.glob("checkpoints.before-*"))) == 1
