@@ -34,15 +34,7 @@ from service.metrics import EvalReport, StepReport, count_tokens
 from service.nonfinite import NonfiniteGuard
 from service.parallel import settle_buckets, unwrap, wrap_model
 from service.preemption import Preemption
-from service.resume import (
-    Resumed,
-    agree_on_checkpoint,
-    check_compatible,
-    config_hash,
-    job_lineage,
-    restore,
-    rng_state,
-)
+from service.resume import Resumed, agree_on_checkpoint, check_compatible, config_hash, job_lineage, restore, rng_state
 from service.roles import Roles, build_roles
 from service.sampler import DataPlan, PlanSampler, StepPlan
 from service.summary import make_summary
