@@ -16,7 +16,9 @@ Exit codes of a worker (and of ``ddp-service train``):
   and the same command resumes from it. Non-zero on purpose: the torchrun
   agents of the nodes that were *not* signalled must see their workers stop,
   restart them and re-rendezvous without the node that left;
-- ``1``: failed.
+- ``1``: failed; also when rank 0 lost the ``run_dir`` lock (another job may
+  own the directory now): every rank stops at the agreed step, and nothing
+  more is saved there.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ EXIT_PREEMPTED = 75
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MAX_STEPS_BETWEEN_CHECKS = 1000
+STOPS = (None, "preempted", "lock_lost")  # what the agreement's MAX over the ranks' codes means: the gravest wins
 
 
 def ignore_in_data_workers(worker_id: int) -> None:
@@ -62,12 +65,13 @@ class Preemption:
     when steps are a few milliseconds, and happens at every boundary once a
     step takes ``interval`` or longer. A stop therefore comes at most about
     ``interval`` seconds of training after the signal, at the same step on
-    every rank.
+    every rank. A rank's flag is a code into :data:`STOPS`, so the same
+    agreement also carries :meth:`lose_lock`'s stop to every rank.
     """
 
     def __init__(
         self,
-        agree: Callable[[bool, int], tuple[bool, int]],
+        agree: Callable[[int, int], tuple[int, int]],
         interval: float = 0.1,
         signals: tuple[signal.Signals, ...] = SIGNALS,
         clock: Callable[[], float] = time.monotonic,
@@ -76,6 +80,7 @@ class Preemption:
         self.interval = interval
         self.clock = clock
         self.received: str | None = None
+        self.lock_lost: str | None = None
         self._every = self._countdown = 1
         self._last_check = clock()
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
@@ -90,18 +95,23 @@ class Preemption:
     def requested(self) -> bool:
         return self.received is not None
 
-    def stop_now(self) -> bool:
-        """Called after every optimizer step; True on every rank, at the same step, once any rank was signalled."""
+    def lose_lock(self, why: str) -> None:
+        """Stop every rank at the next agreed boundary, with no checkpoint: run_dir may belong to another job now."""
+        self.lock_lost = why
+
+    def stop_now(self) -> str | None:
+        """Called after every optimizer step; on every rank, at the same step, why to stop (see :data:`STOPS`)."""
         self._countdown -= 1
         if self._countdown > 0:
-            return False
+            return None
         now = self.clock()
         step_seconds = max((now - self._last_check) / self._every, 1e-6)
         self._last_check = now
         proposal = max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
-        stop, self._every = self.agree(self.requested, proposal)
+        code = 2 if self.lock_lost is not None else 1 if self.requested else 0
+        stop, self._every = self.agree(code, proposal)
         self._countdown = self._every
-        return stop
+        return STOPS[stop]
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
