@@ -102,6 +102,7 @@ class Rank0Checkpointer(Checkpointer):
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
         self.fenced = False
+        self._writing = threading.Lock()  # held by a write and its pruning; a fence waits for one in progress
         # A resume carries the lineage on; a fresh start (or one from a checkpoint older than lineages) makes one.
         self.lineage = lineage or uuid.uuid4().hex
         self._lineages = {self.lineage, *([None] if saved_step is not None and lineage is None else [])}
@@ -158,7 +159,8 @@ class Rank0Checkpointer(Checkpointer):
             self._writer.shutdown(wait=True)
 
     def fence(self) -> None:
-        self.fenced = True
+        with self._writing:  # once this returns, nothing more is written or pruned
+            self.fenced = True
 
     def _write_staged(self, global_step: int, staged: dict[str, Any], ready: Any) -> None:
         if ready is not None:
@@ -166,6 +168,11 @@ class Rank0Checkpointer(Checkpointer):
         self._write(global_step, staged, background=True)
 
     def _write(self, global_step: int, state: dict[str, Any], background: bool = False) -> None:
+        with self._writing:
+            if not self.fenced:
+                self._write_unfenced(global_step, state, background)
+
+    def _write_unfenced(self, global_step: int, state: dict[str, Any], background: bool) -> None:
         started = time.perf_counter()
         try:
             manifest = write_checkpoint(self.directory, global_step, state, self.config_hash, self.lineage)

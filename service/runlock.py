@@ -388,12 +388,12 @@ class RunDirLock(RunDirGuard):
             "Keep one job per run_dir and never delete the lock of a running job; run this job again when "
             "the other has ended (it resumes from its newest checkpoint), or give it another run_dir."
         )
-        log.error("%s", message)
         with self._callbacks_lock:
             self.lost = message
             callbacks = list(self._callbacks)
         for callback in callbacks:
             callback(message)
+        log.error("%s", message)  # after the callbacks: once it is said, the writers are fenced
 
     def vacant(self) -> bool:
         return not os.path.lexists(self.path)
