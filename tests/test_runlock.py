@@ -304,3 +304,32 @@ def test_what_is_at_the_lock_path_but_no_lock_file_fails_fast_and_says_what_to_r
     assert ("which does not exist" in done.stdout) is (kind == "dangling-symlink")
     assert float(done.stdout.rsplit("took ", 1)[1].split()[0]) < 1.0
     assert lock_path.is_symlink() or lock_path.is_dir()  # left as it was: a human decides
+
+
+def test_a_lost_lock_travels_through_the_step_agreement_and_outranks_a_preemption():
+    """Two ranks' Preemption objects joined by a MAX over their codes, as ``any_rank``'s all-reduce joins them: rank 0
+    lost the lock, rank 1 was signalled; both stop at the same check, for the lost lock (nothing to save)."""
+    from service.preemption import Preemption
+
+    seen: list[tuple[int, int]] = []
+
+    def agree_as(rank: int):  # noqa: ANN202
+        def agree(code: int, proposal: int) -> tuple[int, int]:
+            other = ranks[1 - rank]
+            theirs = 2 if other.lock_lost is not None else 1 if other.requested else 0
+            seen.append((rank, code))
+            return max(code, theirs), 1
+
+        return agree
+
+    ranks = [Preemption(agree_as(rank), signals=()) for rank in (0, 1)]
+    try:
+        assert [rank.stop_now() for rank in ranks] == [None, None]
+        ranks[1].received = "SIGTERM"
+        assert [rank.stop_now() for rank in ranks] == ["preempted", "preempted"]
+        ranks[0].lose_lock("the lock was deleted")
+        assert [rank.stop_now() for rank in ranks] == ["lock_lost", "lock_lost"]
+        assert seen[-2:] == [(0, 2), (1, 1)]
+    finally:
+        for rank in ranks:
+            rank.close()
