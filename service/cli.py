@@ -126,10 +126,9 @@ def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, guard: 
     from service.train import build_job, train
 
     job = build_job(config, world, dist_ctx)
-    # A lost run_dir lock fences the writers first, then stops every rank at the next agreed step.
-    guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock)
-    try:
-        return train(job)
+    try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
+        with guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock):
+            return train(job)
     finally:
         job.preemption.close()
         job.roles.close()

@@ -112,8 +112,10 @@ class RunDirGuard:
     def held(self) -> Iterator[None]:
         yield
 
-    def on_lost(self, *callbacks: Callable[[str], None]) -> None:
-        """Call these with the reason once the lock is gone or another's (from a thread; at once if it already is)."""
+    def on_lost(self, *callbacks: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
+        """Within the ``with``, call these with the reason once the lock is gone or another's (from the watcher
+        thread; at once if it already is). Nothing of theirs is kept after it: the job must die with its frame."""
+        return contextlib.nullcontext()
 
     def vacant(self) -> bool:
         """Whether no job holds ``run_dir`` now (nothing at the lock's path)."""
@@ -356,12 +358,18 @@ class RunDirLock(RunDirGuard):
 
     # ----------------------------------------------------------------------------- holding and giving it back
 
-    def on_lost(self, *callbacks: Callable[[str], None]) -> None:
+    @contextlib.contextmanager
+    def on_lost(self, *callbacks: Callable[[str], None]) -> Iterator[None]:
         with self._callbacks_lock:
             self._callbacks.extend(callbacks)
             lost = self.lost
         for callback in callbacks if lost is not None else ():
             callback(lost)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            with self._callbacks_lock:
+                self._callbacks = [known for known in self._callbacks if known not in callbacks]
 
     def _watch(self) -> None:
         renewed = time.monotonic()

@@ -226,27 +226,28 @@ def test_a_holder_whose_lock_is_deleted_or_taken_says_so_within_a_check(tmp_path
     lock = RunDirLock(tmp_path, "mine", renew=0.2, check=0.05)
     heard: list[str] = []
     lock.acquire()
+    path = tmp_path / LOCK_NAME
     try:
-        lock.on_lost(heard.append)
-        time.sleep(0.3)
-        assert heard == [] and holds(lock)  # renewals and checks of its own lock are quiet
-        path = tmp_path / LOCK_NAME
-        if how == "taken":  # another job's lock, renamed into place as a taker does
-            other = {"host": "node9", "pid": 4242, "run_id": "other-job", "started": time.time(), "token": "o"}
-            (tmp_path / "other").write_text(json.dumps(other))
-            os.replace(tmp_path / "other", path)
-        else:
-            path.unlink()
-        before = path.read_bytes() if path.exists() else None
-        deadline = time.monotonic() + 5
-        while not heard and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with lock.on_lost(heard.append):
+            time.sleep(0.3)
+            assert heard == [] and holds(lock)  # renewals and checks of its own lock are quiet
+            if how == "taken":  # another job's lock, renamed into place as a taker does
+                other = {"host": "node9", "pid": 4242, "run_id": "other-job", "started": time.time(), "token": "o"}
+                (tmp_path / "other").write_text(json.dumps(other))
+                os.replace(tmp_path / "other", path)
+            else:
+                path.unlink()
+            before = path.read_bytes() if path.exists() else None
+            deadline = time.monotonic() + 5
+            while not heard and time.monotonic() < deadline:
+                time.sleep(0.01)
         assert len(heard) == 1, heard
         expected = "was deleted" if how == "deleted" else "was taken by pid 4242 on host 'node9', run id 'other-job'"
         assert expected in heard[0] and "stops at its next step boundary" in heard[0]
         late: list[str] = []
-        lock.on_lost(late.append)  # registered after the loss: told at once
-        assert late == heard
+        with lock.on_lost(late.append):  # entered after the loss: told at once
+            assert late == heard
+        assert lock._callbacks == []  # nothing of the callers' is kept after the with
         assert lock.vacant() is (how == "deleted")
     finally:
         lock.release()
