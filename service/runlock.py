@@ -9,14 +9,11 @@ A thread checks it every :data:`CHECK_SECONDS` and renews its mtime every
 :data:`RENEW_SECONDS` while the job runs. See docs/resume.md, "One job per
 run_dir", for why not ``flock``.
 
-A lock whose holder is gone is taken over with a warning:
-
-- on the same host: the pid is not alive (or is alive but started at another
-  time: a reused pid);
-- on another host: the mtime is older than :data:`STALE_AFTER` renewals.
-
-Any number of takers of one stale lock make exactly one winner (see
-:meth:`RunDirLock._take_over`). A fresh lock of *another* job is refused with
+A lock whose holder is gone is taken over with a warning: on the same host
+when the pid is not alive (or is, but started at another time: a reused pid),
+on another host when the mtime is older than :data:`STALE_AFTER` renewals.
+Any number of takers of one stale lock make one winner
+(:meth:`RunDirLock._take_over`). A fresh lock of *another* job is refused with
 :class:`RunDirLockedError` naming the holder. A fresh lock of the *same* run id
 on another host (the previous rendezvous round's rank 0 on a node that was
 lost) is waited for until it goes stale. A restart of the same job on the same
@@ -156,7 +153,7 @@ class RunDirLock(RunDirGuard):
                   "run_id": self.run_id, "started": self.clock(), "token": uuid.uuid4().hex}  # fmt: skip
         self.content = json.dumps(holder, sort_keys=True).encode()
         deadline = None
-        while not self._create():
+        while not self._place(self.content, self.path):
             found = self._read()
             if found is None:
                 continue  # released between our create and our read
@@ -265,9 +262,6 @@ class RunDirLock(RunDirGuard):
         finally:
             os.close(fd)
         return True
-
-    def _create(self) -> bool:
-        return self._place(self.content, self.path)
 
     def _raw(self, path: Path | None = None) -> bytes | None:
         """The bytes at ``path`` (the lock), None when nothing is there; never follows a link."""
@@ -406,14 +400,11 @@ class RunDirLock(RunDirGuard):
     def vacant(self) -> bool:
         return not os.path.lexists(self.path)
 
-    def _ours(self) -> bool:
-        return self._raw() == self.content
-
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._ours():
+        if self._raw() == self.content:
             self._sweep()
             self.path.unlink(missing_ok=True)
 

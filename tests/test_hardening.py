@@ -178,6 +178,19 @@ def test_a_job_whose_lock_is_deleted_or_taken_stops_every_rank_at_one_step_and_w
         assert "summary not written" in out
 
 
+def test_a_dangling_symlink_at_the_lock_fails_the_start_at_once_saying_what_to_remove(tmp_path):
+    """Issue 15, point 8: it hung start-up at full CPU with no output."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).symlink_to(tmp_path / "elsewhere" / ".lock")
+    started = time.monotonic()
+    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", expect_ok=False, timeout=90)
+    assert done.returncode != 0 and time.monotonic() - started < 60
+    assert f"run_dir lock {run_dir / LOCK_NAME} is a symbolic link to" in done.stdout, done.stdout[-3000:]
+    assert "which does not exist, not a lock file" in done.stdout and f"rm {run_dir / LOCK_NAME}" in done.stdout
+    assert " INFO step " not in done.stdout and (run_dir / LOCK_NAME).is_symlink()
+
+
 def test_prune_leaves_checkpoints_of_another_lineage_alone(tmp_path):
     from service.checkpoint_io import candidate_steps, prune, write_checkpoint
 
