@@ -56,6 +56,9 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a save in flight and stop the writer."""
 
+    def fence(self) -> None:
+        """Save nothing more: run_dir's lock was lost, another job may own the directory now."""
+
 
 class StagingBuffer:
     """A snapshot of a state dict in CPU tensors that are allocated once and reused."""
@@ -98,6 +101,8 @@ class Rank0Checkpointer(Checkpointer):
         self._inflight: Future | None = None
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
+        self.fenced = False
+        self._writing = threading.Lock()  # held by a write and its pruning; a fence waits for one in progress
         # A resume carries the lineage on; a fresh start (or one from a checkpoint older than lineages) makes one.
         self.lineage = lineage or uuid.uuid4().hex
         self._lineages = {self.lineage, *([None] if saved_step is not None and lineage is None else [])}
@@ -117,7 +122,7 @@ class Rank0Checkpointer(Checkpointer):
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         self._report_background()
-        if not self.every_steps or global_step % self.every_steps:
+        if self.fenced or not self.every_steps or global_step % self.every_steps:
             return
         staging, writer = self._staging, self._writer
         if staging is None or writer is None:
@@ -142,6 +147,10 @@ class Rank0Checkpointer(Checkpointer):
             log.error("the background save failed (%s); saving step %d now", future.exception(), global_step)
         if self.saved_step == global_step:
             return  # this process wrote this very step already; the weights have not moved since
+        if self.fenced:
+            log.error("not saving step %d: this job lost the run_dir lock, %s may be another job's now", global_step,
+                      self.directory)  # fmt: skip
+            return
         self._write(global_step, state())
 
     def close(self) -> None:
@@ -149,12 +158,21 @@ class Rank0Checkpointer(Checkpointer):
         if self._writer is not None:
             self._writer.shutdown(wait=True)
 
+    def fence(self) -> None:
+        with self._writing:  # once this returns, nothing more is written or pruned
+            self.fenced = True
+
     def _write_staged(self, global_step: int, staged: dict[str, Any], ready: Any) -> None:
         if ready is not None:
             ready.synchronize()
         self._write(global_step, staged, background=True)
 
     def _write(self, global_step: int, state: dict[str, Any], background: bool = False) -> None:
+        with self._writing:
+            if not self.fenced:
+                self._write_unfenced(global_step, state, background)
+
+    def _write_unfenced(self, global_step: int, state: dict[str, Any], background: bool) -> None:
         started = time.perf_counter()
         try:
             manifest = write_checkpoint(self.directory, global_step, state, self.config_hash, self.lineage)

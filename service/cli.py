@@ -21,6 +21,7 @@ from service.rendezvous import admin as rdzv_admin
 
 if TYPE_CHECKING:  # torch stays unimported for validate and env
     from service.distributed import DistContext
+    from service.runlock import RunDirGuard
 
 log = logging.getLogger("service")
 
@@ -111,13 +112,17 @@ def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
 def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
     from service.distributed import distributed
     from service.orphans import guard_against_orphaning
-    from service.preemption import EXIT_COMPLETED, EXIT_PREEMPTED
+    from service.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
     from service.runlock import build_run_dir_guard
 
     guard_against_orphaning(world)  # before anything that could outlive a dead agent
-    with build_run_dir_guard(config, world).held(), \
-            distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:  # fmt: skip
-        summary = _run_job(config, world, dist_ctx, preemption)
+    guard = build_run_dir_guard(config, world)
+    with guard.held(), distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
+        summary = _run_job(config, world, dist_ctx, preemption, guard)
+    if summary["status"] == "lock_lost":
+        log.error("stopped at step %d without a checkpoint: %s", summary["global_step"],
+                  summary["error"] or "rank 0 lost the run_dir lock; another job may own run_dir now")  # fmt: skip
+        return EXIT_FAILED
     if summary["status"] == "preempted":
         log.warning("preempted: stopped at step %d after saving its checkpoint; run the same command to resume",
                     summary["global_step"])  # fmt: skip
@@ -128,13 +133,15 @@ def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption)
     return EXIT_COMPLETED
 
 
-def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption) -> dict:
+def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
+             guard: RunDirGuard) -> dict:  # fmt: skip
     """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
     from service.train import build_job, train
 
     job = build_job(config, world, dist_ctx, preemption)
-    try:
-        return train(job)
+    try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
+        with guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock):
+            return train(job)
     finally:
         job.preemption.close()
         job.roles.close()

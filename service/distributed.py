@@ -131,13 +131,13 @@ def tensor_to_bytes(tensor: torch.Tensor, length: int) -> bytes:
     return tensor[:length].numpy().tobytes()
 
 
-def any_rank(group: Any) -> Callable[[bool, int], tuple[bool, int]]:
-    """The preemption check's collective: (any rank's flag set, the smallest rank's proposal), one all-reduce."""
+def any_rank(group: Any) -> Callable[[int, int], tuple[int, int]]:
+    """The preemption check's collective: (the largest rank's code, the smallest rank's proposal), one all-reduce."""
 
-    def agree(local: bool, proposal: int) -> tuple[bool, int]:
-        values = torch.tensor([1 if local else 0, -proposal], dtype=torch.int64)
+    def agree(local: int, proposal: int) -> tuple[int, int]:
+        values = torch.tensor([int(local), -proposal], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        return bool(values[0].item()), int(-values[1].item())
+        return int(values[0].item()), int(-values[1].item())
 
     return agree
 

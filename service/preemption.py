@@ -20,7 +20,9 @@ Exit codes of a worker (and of ``ddp-service train``):
   and the same command resumes from it. Non-zero on purpose: the torchrun
   agents of the nodes that were *not* signalled must see their workers stop,
   restart them and re-rendezvous without the node that left;
-- ``1``: failed.
+- ``1``: failed; also when rank 0 lost the ``run_dir`` lock (another job may
+  own the directory now): every rank stops at the agreed step, and nothing
+  more is saved there.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ EXIT_PREEMPTED = 75
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MAX_STEPS_BETWEEN_CHECKS = 1000
+STOPS = (None, "preempted", "lock_lost")  # what the agreement's MAX over the ranks' codes means: the gravest wins
 
 
 def ignore_in_data_workers(worker_id: int) -> None:
@@ -78,7 +81,7 @@ def held_back(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def alone(local: bool, proposal: int) -> tuple[bool, int]:
+def alone(local: int, proposal: int) -> tuple[int, int]:
     """The agreement of a process that is not in a process group yet: its own flag and proposal."""
     return local, proposal
 
@@ -94,7 +97,8 @@ class Preemption:
     when steps are a few milliseconds, and happens at every boundary once a
     step takes ``interval`` or longer. A stop therefore comes at most about
     ``interval`` seconds of training after the signal, at the same step on
-    every rank.
+    every rank. A rank's flag is a code into :data:`STOPS`, so the same
+    agreement also carries :meth:`lose_lock`'s stop to every rank.
 
     The handlers go in when the object is made, before any process group: the
     agreement is :func:`alone` until :meth:`connect` makes it the collective.
@@ -102,7 +106,7 @@ class Preemption:
 
     def __init__(
         self,
-        agree: Callable[[bool, int], tuple[bool, int]] = alone,
+        agree: Callable[[int, int], tuple[int, int]] = alone,
         interval: float = 0.1,
         signals: tuple[signal.Signals, ...] = SIGNALS,
         clock: Callable[[], float] = time.monotonic,
@@ -111,6 +115,7 @@ class Preemption:
         self.interval = interval
         self.clock = clock
         self.received: str | None = None
+        self.lock_lost: str | None = None
         self._every = self._countdown = 1
         self._last_check = clock()
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
@@ -121,7 +126,7 @@ class Preemption:
             log.warning("%s received: stopping at the next optimizer-step boundary, after a checkpoint",
                         self.received)  # fmt: skip
 
-    def connect(self, agree: Callable[[bool, int], tuple[bool, int]]) -> None:
+    def connect(self, agree: Callable[[int, int], tuple[int, int]]) -> None:
         """From now on the flag is agreed with every rank (the control group is up)."""
         self.agree = agree
 
@@ -129,23 +134,28 @@ class Preemption:
     def requested(self) -> bool:
         return self.received is not None
 
-    def stop_here(self) -> bool:
+    def lose_lock(self, why: str) -> None:
+        """Stop every rank at the next agreed boundary, with no checkpoint: run_dir may belong to another job now."""
+        self.lock_lost = why
+
+    def stop_here(self) -> str | None:
         """An agreement now, whatever the countdown: before the first step and after an evaluation."""
         self._countdown = 1
         return self.stop_now()
 
-    def stop_now(self) -> bool:
-        """Called after every optimizer step; True on every rank, at the same step, once any rank was signalled."""
+    def stop_now(self) -> str | None:
+        """Called after every optimizer step; on every rank, at the same step, why to stop (see :data:`STOPS`)."""
         self._countdown -= 1
         if self._countdown > 0:
-            return False
+            return None
         now = self.clock()
         step_seconds = max((now - self._last_check) / self._every, 1e-6)
         self._last_check = now
         proposal = max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
-        stop, self._every = self.agree(self.requested, proposal)
+        code = 2 if self.lock_lost is not None else 1 if self.requested else 0
+        stop, self._every = self.agree(code, proposal)
         self._countdown = self._every
-        return stop
+        return STOPS[stop]
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from service.checkpoint import Checkpointer, Rank0Checkpointer
@@ -26,6 +27,11 @@ class Roles:
     checkpointer: Checkpointer
     summary: SummaryWriter
     trace: SampleTrace
+
+    def fence(self, vacant: Callable[[], bool]) -> None:
+        """run_dir's lock was lost: no checkpoint there any more, and a summary only while no other job holds it."""
+        self.checkpointer.fence()
+        self.summary.fence(vacant)
 
     def close(self) -> None:
         self.checkpointer.close()

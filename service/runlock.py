@@ -1,33 +1,40 @@
 """One job per ``run_dir``: rank 0 holds ``run_dir/.lock`` for the job's life.
 
-The lock is a file created with ``O_CREAT | O_EXCL``, which is atomic on local
-file systems, on NFSv3 and later, and on Lustre. It holds who took it (host,
-pid, the pid's start time, the launcher's run id, when) and its mtime is
-renewed every :data:`RENEW_SECONDS` by a thread while the job runs. See
-docs/resume.md, "One job per run_dir", for why ``O_EXCL`` and not ``flock``.
+The lock file appears whole or not at all: it is written under a scratch
+name and hard-linked to ``.lock``, which fails when a lock is there (atomic on
+local file systems, on NFSv3 and later, and on Lustre; where hard links are
+not supported, ``O_CREAT | O_EXCL`` creates it instead). It holds who took it
+(host, pid, the pid's start time, the launcher's run id, when, a unique token).
+A thread checks it every :data:`CHECK_SECONDS` and renews its mtime every
+:data:`RENEW_SECONDS` while the job runs. See docs/resume.md, "One job per
+run_dir", for why not ``flock``.
 
-A lock whose holder is gone is taken over with a warning:
-
-- on the same host: the pid is not alive (or is alive but started at another
-  time: a reused pid);
-- on another host: the mtime is older than :data:`STALE_AFTER` renewals.
-
-A fresh lock of *another* job is refused with :class:`RunDirLockedError`
-naming the holder. A fresh lock of the *same* run id on another host (the
-previous rendezvous round's rank 0 on a node that was lost) is waited for
-until it goes stale. A restart of the same job on the same host finds the
-previous rank 0 dead and takes over at once; a clean exit removes the lock.
+A lock whose holder is gone is taken over with a warning: on the same host
+when the pid is not alive (or is, but started at another time: a reused pid),
+on another host when the mtime is older than :data:`STALE_AFTER` renewals.
+Any number of takers of one stale lock make one winner
+(:meth:`RunDirLock._take_over`). A fresh lock of *another* job is refused with
+:class:`RunDirLockedError` naming the holder. A fresh lock of the *same* run id
+on another host (the previous rendezvous round's rank 0 on a node that was
+lost) is waited for until it goes stale. A restart of the same job on the same
+host finds the previous rank 0 dead and takes over at once; a clean exit
+removes the lock. A holder that finds its lock gone or another's calls its
+:meth:`~RunDirGuard.on_lost` callbacks: the job stops at its next step
+boundary and writes nothing more into ``run_dir``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -41,9 +48,13 @@ from service.env import WorldInfo
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+TAKEOVER_PREFIX = f"{LOCK_NAME}.takeover-"  # + the digest of the stale lock it replaces
+SCRATCH_PREFIX = f"{LOCK_NAME}.new-"  # + pid and a random suffix: a lock being written
 RENEW_SECONDS = 5.0
+CHECK_SECONDS = 0.5  # how often the holder reads its lock back (a loss stops the job within about this)
 STALE_AFTER = 6  # renewals missed before a lock on another host counts as abandoned
 MIN_FREE_BYTES = 1 << 20  # below this, not even the lock, the summary and a small checkpoint fit
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
 class RunDirError(RuntimeError):
@@ -57,10 +68,10 @@ class RunDirLockedError(RunDirError):
 def process_start(pid: int) -> str | None:
     """The start time of ``pid`` in clock ticks since boot (``/proc``), or None where it cannot be read."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return stat_line.rsplit(")", 1)[1].split()[19]
 
 
 def pid_alive(pid: int, started: str | None) -> bool:
@@ -83,6 +94,14 @@ def describe_holder(holder: dict[str, Any]) -> str:
             f"since {when}")  # fmt: skip
 
 
+def parse_holder(raw: bytes) -> dict[str, Any]:
+    try:
+        holder = json.loads(raw)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
 class RunDirGuard:
     """Holds nothing: every rank but 0."""
 
@@ -90,18 +109,31 @@ class RunDirGuard:
     def held(self) -> Iterator[None]:
         yield
 
+    def on_lost(self, *callbacks: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
+        """Within the ``with``, call these with the reason once the lock is gone or another's (from the watcher
+        thread; at once if it already is). Nothing of theirs is kept after it: the job must die with its frame."""
+        return contextlib.nullcontext()
+
+    def vacant(self) -> bool:
+        """Whether no job holds ``run_dir`` now (nothing at the lock's path)."""
+        return True
+
 
 class RunDirLock(RunDirGuard):
     def __init__(self, run_dir: Path, run_id: str | None, renew: float = RENEW_SECONDS, stale_after: int = STALE_AFTER,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.time, check: float = CHECK_SECONDS) -> None:  # fmt: skip
         self.run_dir = run_dir
         self.path = run_dir / LOCK_NAME
         self.run_id = run_id
         self.renew = renew
+        self.check = min(check, renew)
         self.stale_seconds = renew * stale_after
         self.clock = clock
         self.host = socket.gethostname()
         self.content = b""
+        self.lost: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+        self._callbacks_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -117,15 +149,17 @@ class RunDirLock(RunDirGuard):
 
     def acquire(self) -> None:
         self._prepare_dir()
+        holder = {"host": self.host, "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+                  "run_id": self.run_id, "started": self.clock(), "token": uuid.uuid4().hex}  # fmt: skip
+        self.content = json.dumps(holder, sort_keys=True).encode()
         deadline = None
-        while True:
-            if self._create():
-                break
-            holder, raw, age = self._read()
-            if not raw and not self.path.exists():
+        while not self._place(self.content, self.path):
+            found = self._read()
+            if found is None:
                 continue  # released between our create and our read
+            holder, raw, age = found
             if not holder and age < 2.0:
-                time.sleep(0.1)  # its creator is between O_EXCL and the write
+                time.sleep(0.1)  # its creator is between O_EXCL and the write (no hard links there)
                 continue
             reason = self._stale_reason(holder, age)
             if reason is None and holder.get("run_id") == self.run_id and self.run_id is not None \
@@ -141,11 +175,18 @@ class RunDirLock(RunDirGuard):
                 raise RunDirLockedError(
                     f"run_dir {self.run_dir} is in use by another job: {describe_holder(holder)} holds {self.path} "
                     f"(renewed {age:.0f} s ago). Two jobs in one run_dir would overwrite each other's checkpoints "
-                    "and summary. Use another run_dir, or wait for that job to end; if it is really gone, delete "
-                    f"{self.path}."
+                    "and summary. Use another run_dir, or wait for that job to end (a SIGTERM to it saves a "
+                    f"checkpoint and stops it). Do not delete {self.path}: the lock of a job that is gone is taken "
+                    "over by the next start on its own (on the same host once its process has exited, from another "
+                    f"host once it is {self.stale_seconds:.0f} s without renewal), and deleting the lock of a live "
+                    "job lets two jobs run until that job sees it and stops."
                 )
-            self._take_over(raw, holder, reason)
-        self._thread = threading.Thread(target=self._heartbeat, name="run-dir-lock", daemon=True)
+            if self._take_over(raw):
+                log.warning("run_dir lock %s of %s is stale (%s): taking it over", self.path, describe_holder(holder),
+                            reason)  # fmt: skip
+                break
+        self._sweep()
+        self._thread = threading.Thread(target=self._watch, name="run-dir-lock", daemon=True)
         self._thread.start()
         log.info("run_dir lock %s taken (host %s, pid %d, run id %r)", self.path, self.host, os.getpid(), self.run_id)
 
@@ -167,44 +208,102 @@ class RunDirLock(RunDirGuard):
                 "summary would not fit. Free space there or point run_dir at a larger volume."
             )
 
-    def _create(self) -> bool:
-        holder = {"host": self.host, "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-                  "run_id": self.run_id, "started": self.clock(), "token": uuid.uuid4().hex}  # fmt: skip
-        content = json.dumps(holder, sort_keys=True).encode()
+    def _scratch(self, content: bytes) -> Path:
+        """``content`` written and flushed under a name of its own, ready to be linked or renamed into place."""
+        path = self.run_dir / f"{SCRATCH_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
-            raise RunDirError(f"run_dir {self.run_dir} is not writable: creating {self.path} failed with "
+            raise RunDirError(f"run_dir {self.run_dir} is not writable: creating {path} failed with "
                               f"{exc.strerror or exc}. Make it writable for this user, or point run_dir at a "
                               "writable volume; nothing was trained.") from exc  # fmt: skip
         try:
             os.write(fd, content)
             os.fsync(fd)
         except OSError as exc:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise RunDirError(
-                f"run_dir {self.run_dir} is not writable: writing {self.path} failed with "
+                f"run_dir {self.run_dir} is not writable: writing {path} failed with "
                 f"{exc.strerror or exc}. Free space there or point run_dir elsewhere."
             ) from exc
-        os.close(fd)
-        self.content = content
+        finally:
+            os.close(fd)
+        return path
+
+    def _place(self, content: bytes, target: Path) -> bool:
+        """Make ``target`` hold ``content`` if nothing is there; False if something is (or our scratch was swept)."""
+        scratch = self._scratch(content)
+        try:
+            os.link(scratch, target)
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                return os.stat(scratch).st_nlink == 2  # NFS: a retried link that had worked reports EEXIST
+            return False
+        except FileNotFoundError:
+            return False  # swept as a leftover while this process stalled; the caller looks again
+        except OSError as exc:
+            if exc.errno not in NO_HARD_LINKS:
+                raise RunDirError(f"run_dir {self.run_dir} is not writable: linking {target} failed with "
+                                  f"{exc.strerror or exc}. Point run_dir at a writable volume.") from exc  # fmt: skip
+            return self._create_exclusive(content, target)
+        finally:
+            scratch.unlink(missing_ok=True)
         return True
 
-    def _read(self) -> tuple[dict[str, Any], bytes, float]:
-        """The holder, the raw bytes, and the seconds since its last renewal (0 when it just vanished)."""
+    def _create_exclusive(self, content: bytes, target: Path) -> bool:
+        """``_place`` on a file system without hard links: an ``O_EXCL`` create, then the write."""
         try:
-            raw = self.path.read_bytes()
-            age = self.clock() - self.path.stat().st_mtime
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, content)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _raw(self, path: Path | None = None) -> bytes | None:
+        """The bytes at ``path`` (the lock), None when nothing is there; never follows a link."""
+        try:
+            fd = os.open(path or self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            return {}, b"", 0.0
+            return None
+        except OSError:
+            return b""  # a link, a directory: nobody's lock (``_read`` says what it is)
         try:
-            holder = json.loads(raw)
-        except ValueError:
-            holder = {}
-        return (holder if isinstance(holder, dict) else {}), raw, age
+            return os.read(fd, 1 << 16)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    def _read(self) -> tuple[dict[str, Any], bytes, float] | None:
+        """The holder, the raw bytes, and the seconds since its last renewal; None when there is no lock."""
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            raise RunDirError(self._not_a_lock(info))
+        raw = self._raw()
+        if raw is None:
+            return None
+        return parse_holder(raw), raw, self.clock() - info.st_mtime
+
+    def _not_a_lock(self, info: os.stat_result) -> str:
+        if stat.S_ISLNK(info.st_mode):
+            target = os.readlink(self.path)
+            dangling = "" if self.path.exists() else ", which does not exist"
+            what, remove = f"a symbolic link to {target!r}{dangling}", f"rm {self.path}"
+        elif stat.S_ISDIR(info.st_mode):
+            what, remove = "a directory", f"rmdir {self.path} (or rm -r, after a look at what it holds)"
+        else:
+            what, remove = "a special file (not a regular one)", f"rm {self.path}"
+        return (f"run_dir lock {self.path} is {what}, not a lock file: this service writes the lock as a plain "
+                f"file, itself. If no job uses run_dir {self.run_dir}, remove it ({remove}) and start again; to "
+                "keep outputs elsewhere, point run_dir there instead of linking files into it; nothing was "
+                "trained.")  # fmt: skip
 
     def _stale_reason(self, holder: dict[str, Any], age: float) -> str | None:
         """Why the lock is abandoned, or None while its holder may still run."""
@@ -215,48 +314,98 @@ class RunDirLock(RunDirGuard):
             return f"it was last renewed {age:.0f} s ago (stale after {self.stale_seconds:.0f} s)"
         return None
 
-    def _take_over(self, raw: bytes, holder: dict[str, Any], reason: str) -> None:
-        """Move the stale lock aside, but only if it is still the one judged stale (another taker may have won)."""
-        if not raw and not self.path.exists():
-            return
-        grave = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    def _take_over(self, stale: bytes) -> bool:
+        """Replace the lock ``stale`` with ours; True when we did. Of any number of takers, one wins.
+
+        The right to replace one lock is a marker named by its digest, placed the
+        way the lock is (whole, and only if absent), so only one taker places it;
+        it holds that taker's lock. The winner renames its lock over the stale
+        one: the lock is never absent, so no create slips in between. A taker
+        that finds the marker finishes the swap itself when it is still due (its
+        winner may have died mid-way; its lock is then stale in turn), and looks
+        again. Markers stay after their swap, so a taker that read ``stale``
+        long ago cannot place a second one; they are swept once old.
+        """
+        marker = self.run_dir / f"{TAKEOVER_PREFIX}{hashlib.sha256(stale).hexdigest()[:32]}"
+        if self._place(self.content, marker):
+            if self._raw() == stale:
+                os.replace(self._scratch(self.content), self.path)
+            return self._raw() == self.content
+        successor = self._raw(marker)
+        if successor and self._raw() == stale:
+            os.replace(self._scratch(successor), self.path)
+        elif successor == b"" and self._age(marker) > self.stale_seconds:
+            marker.unlink(missing_ok=True)  # its taker died between O_EXCL and the write (no hard links here)
+        return False
+
+    def _age(self, path: Path) -> float:
         try:
-            os.rename(self.path, grave)
+            return self.clock() - os.lstat(path).st_mtime
         except FileNotFoundError:
-            return
-        try:
-            if grave.read_bytes() != raw:  # someone else took it over and created a fresh lock: put it back
-                with contextlib.suppress(FileExistsError):
-                    os.link(grave, self.path)
-                return
-            log.warning("run_dir lock %s of %s is stale (%s): taking it over", self.path, describe_holder(holder),
-                        reason)  # fmt: skip
-        finally:
-            grave.unlink(missing_ok=True)
+            return 0.0
+
+    def _sweep(self) -> None:
+        """Remove takeover markers and scratch files older than a stale lock: leftovers of swaps long done."""
+        for leftover in (*self.run_dir.glob(f"{TAKEOVER_PREFIX}*"), *self.run_dir.glob(f"{SCRATCH_PREFIX}*")):
+            if self._age(leftover) > self.stale_seconds:
+                leftover.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------------------- holding and giving it back
 
-    def _ours(self) -> bool:
+    @contextlib.contextmanager
+    def on_lost(self, *callbacks: Callable[[str], None]) -> Iterator[None]:
+        with self._callbacks_lock:
+            self._callbacks.extend(callbacks)
+            lost = self.lost
+        for callback in callbacks if lost is not None else ():
+            callback(lost)  # type: ignore[arg-type]
         try:
-            return self.path.read_bytes() == self.content
-        except OSError:
-            return False
+            yield
+        finally:
+            with self._callbacks_lock:
+                self._callbacks = [known for known in self._callbacks if known not in callbacks]
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.renew):
-            if not self._ours():
-                log.error("run_dir lock %s is no longer this job's (taken over after this process stalled for "
-                          "%.0f s?); another job may now write to %s", self.path, self.stale_seconds,
-                          self.run_dir)  # fmt: skip
+    def _watch(self) -> None:
+        renewed = time.monotonic()
+        while not self._stop.wait(self.check):
+            raw = self._raw()
+            if raw != self.content:
+                self._lose(raw)
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            if time.monotonic() - renewed >= self.renew:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+                renewed = time.monotonic()
+
+    def _lose(self, raw: bytes | None) -> None:
+        if raw is None:
+            what = "was deleted"
+        elif holder := parse_holder(raw):
+            what = f"was taken by {describe_holder(holder)}"
+        else:
+            what = "was replaced by something that is not this job's lock"
+        message = (
+            f"The run_dir lock {self.path} {what} while this job held it, so another job may now write to "
+            f"{self.run_dir}. This job stops at its next step boundary and saves no further checkpoint there. "
+            "Keep one job per run_dir and never delete the lock of a running job; run this job again when "
+            "the other has ended (it resumes from its newest checkpoint), or give it another run_dir."
+        )
+        with self._callbacks_lock:
+            self.lost = message
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback(message)
+        log.error("%s", message)  # after the callbacks: once it is said, the writers are fenced
+
+    def vacant(self) -> bool:
+        return not os.path.lexists(self.path)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._ours():
+        if self._raw() == self.content:
+            self._sweep()
             self.path.unlink(missing_ok=True)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from service.parallel import unwrap
 if TYPE_CHECKING:  # the loop imports this module
     from service.metrics import EvalReport
     from service.train import Job, LoopState
+
+log = logging.getLogger(__name__)
 
 
 def model_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -33,12 +36,23 @@ class SummaryWriter:
     def write(self, summary: Mapping[str, Any]) -> None:
         return None
 
+    def fence(self, vacant: Callable[[], bool]) -> None:
+        """run_dir's lock was lost: write only while ``vacant()`` says no other job holds the directory."""
+
 
 class JsonSummaryWriter(SummaryWriter):
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.vacant: Callable[[], bool] | None = None
+
+    def fence(self, vacant: Callable[[], bool]) -> None:
+        self.vacant = vacant
 
     def write(self, summary: Mapping[str, Any]) -> None:
+        if self.vacant is not None and not self.vacant():
+            log.error("summary not written: %s belongs to the job that holds run_dir's lock now; this job's was %s",
+                      self.path, json.dumps(summary, sort_keys=True))  # fmt: skip
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -270,7 +270,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
     """Steps from the cursor to the end of the epoch; returns why it stopped.
 
     ``"epoch"``: the epoch is done; ``"steps"``: ``total_steps`` reached;
-    ``"preempted"``: a rank was signalled (the step that just ran is kept).
+    ``"preempted"``: a rank was signalled (the step that just ran is kept);
+    ``"lock_lost"``: rank 0 lost the run_dir lock (nothing more is saved).
     """
     if state.global_step >= job.total_steps:
         return "steps"
@@ -296,8 +297,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
         roles.trace.record(plan, state.global_step)
         if state.global_step % log_every == 0:
             roles.sink.on_report(window.report(job, state))
-        if job.preemption.stop_now():
-            return "preempted"
+        if stop := job.preemption.stop_now():
+            return stop
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"
@@ -364,12 +365,12 @@ def train(job: Job) -> dict[str, Any]:
     start_samples = state.samples_seen
     try:
         while True:
-            if job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint: stop here
-                status = "preempted"
+            if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
+                status = stop
                 break
             outcome = train_epoch(job, state, window)
-            if outcome == "preempted":
-                status = "preempted"
+            if outcome in ("preempted", "lock_lost"):
+                status = outcome
                 break
             if outcome == "epoch":
                 state.epochs_completed += 1
@@ -388,6 +389,6 @@ def train(job: Job) -> dict[str, Any]:
             job.roles.summary.write(failed)
         raise
     seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
-    summary = make_summary(job, state, report, seconds, trained, status)
+    summary = make_summary(job, state, report, seconds, trained, status, error=job.preemption.lock_lost)
     job.roles.summary.write(summary)
     return summary

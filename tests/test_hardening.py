@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -122,6 +123,72 @@ def test_a_restart_of_the_same_job_after_its_rank0_was_killed_takes_the_lock_ove
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["restarts"] == 1, watcher.text()[-3000:]
     assert "is stale (its process" in watcher.text() and "taking it over" in watcher.text()
+
+
+SAVED = re.compile(r"\[rank 0\] INFO checkpoint saved: .*step-(\d+)\.pt")
+STOPPED = re.compile(r"\[rank (\d)\] ERROR stopped at step (\d+) without a checkpoint: (.*)")
+
+
+@pytest.mark.parametrize("how", ["deleted", "taken"])
+def test_a_job_whose_lock_is_deleted_or_taken_stops_every_rank_at_one_step_and_writes_nothing_more(tmp_path, how):
+    """Issue 15, point 7: `rm run/.lock` (or another job's lock in its place) during training stops the job."""
+    run_dir = tmp_path / "run"
+    job = (*SLOW, "train.max_steps=400", "train.epochs=100", "checkpoint.every_steps=1", "task_options.sleep=0.05")
+    proc, watcher = start(run_dir, 2, *job)
+    lock, other = run_dir / LOCK_NAME, {"host": "node9", "pid": 4242, "run_id": "other-job", "started": time.time()}
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000003\.pt", timeout=120)
+        if how == "deleted":
+            lock.unlink()
+        else:  # another job took it over, as a taker does: its lock renamed into place
+            (run_dir / "other.lock").write_text(json.dumps({**other, "token": "o"}))
+            os.replace(run_dir / "other.lock", lock)
+        lost_at = watcher.wait_for(rf"ERROR The run_dir lock {re.escape(str(lock))} was", timeout=30)
+        theirs = {
+            run_dir / "summary.json": '{"status": "running", "job": "other-job"}\n',
+            run_dir / "checkpoints" / ".step-00000100.4242.tmp": "the other job's save in progress",
+        }
+        if how == "taken":  # the other job's files, written once it holds the lock
+            for path, text in theirs.items():
+                path.write_text(text)
+        code = finish(proc, watcher, timeout=60)
+    finally:
+        kill_group(proc)
+    out = watcher.text()
+    assert code == 1, out[-4000:]  # failed: not 0, and not 75 (which would say "resume me")
+    expected = "was deleted" if how == "deleted" else "was taken by pid 4242 on host 'node9', run id 'other-job', since"
+    assert f"The run_dir lock {lock} {expected}" in out and "while this job held it" in out
+    stops = {int(rank): (int(step), why) for rank, step, why in STOPPED.findall(out)}
+    assert set(stops) == {0, 1}, out[-4000:]
+    assert stops[0][0] == stops[1][0], stops  # every rank stopped at the same step boundary
+    assert expected in stops[0][1] and "lost the run_dir lock" in stops[1][1]
+    step = stops[0][0]
+    late_saves = [line for stamp, line in watcher.lines if stamp > lost_at and SAVED.search(line)]
+    assert late_saves == [], late_saves  # the writers are fenced before the loss is logged: nothing saved after it
+    on_disk = sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert on_disk and on_disk[-1] <= step and " INFO step " in out
+    if how == "deleted":  # nobody holds run_dir: the summary says why this job stopped, and the lock stays gone
+        summary = read_summary(run_dir)
+        assert summary["status"] == "lock_lost" and summary["stopped_at_step"] == step
+        assert "was deleted while this job held it" in summary["error"]
+        assert not os.path.lexists(lock)
+    else:  # the other job's lock, summary and temporary file are as it left them
+        assert json.loads(lock.read_text())["run_id"] == "other-job"
+        assert {path: path.read_text() for path in theirs} == theirs
+        assert "summary not written" in out
+
+
+def test_a_dangling_symlink_at_the_lock_fails_the_start_at_once_saying_what_to_remove(tmp_path):
+    """Issue 15, point 8: it hung start-up at full CPU with no output."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).symlink_to(tmp_path / "elsewhere" / ".lock")
+    started = time.monotonic()
+    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", expect_ok=False, timeout=90)
+    assert done.returncode != 0 and time.monotonic() - started < 60
+    assert f"run_dir lock {run_dir / LOCK_NAME} is a symbolic link to" in done.stdout, done.stdout[-3000:]
+    assert "which does not exist, not a lock file" in done.stdout and f"rm {run_dir / LOCK_NAME}" in done.stdout
+    assert " INFO step " not in done.stdout and (run_dir / LOCK_NAME).is_symlink()
 
 
 def test_prune_leaves_checkpoints_of_another_lineage_alone(tmp_path):

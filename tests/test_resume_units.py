@@ -728,9 +728,9 @@ def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     from service.preemption import Preemption
 
     now = [0.0]
-    calls: list[tuple[bool, int]] = []
+    calls: list[tuple[int, int]] = []
 
-    def agree(local: bool, proposal: int) -> tuple[bool, int]:
+    def agree(local: int, proposal: int) -> tuple[int, int]:
         calls.append((local, proposal))
         return local, min(proposal, 7)  # another rank proposes 7 steps
 
@@ -738,15 +738,15 @@ def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     watch = Preemption(agree, interval=0.1, clock=lambda: now[0])
     try:
         now[0] += 0.01  # a 10 ms step
-        assert watch.stop_now() is False and calls == [(False, 10)]  # 10 steps cover 0.1 s; the ranks agree on 7
+        assert watch.stop_now() is None and calls == [(0, 10)]  # 10 steps cover 0.1 s; the ranks agree on 7
         for _ in range(6):
             now[0] += 0.01
-            assert watch.stop_now() is False
+            assert watch.stop_now() is None
         assert len(calls) == 1  # no collective between checks
         os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, handled between bytecodes
         assert watch.requested and watch.received == "SIGUSR1"
         now[0] += 0.5  # a slow step: 7 steps took 0.56 s since the last check, 80 ms each, so 2 steps now
-        assert watch.stop_now() is True and calls[-1] == (True, 2)
+        assert watch.stop_now() == "preempted" and calls[-1] == (1, 2)
     finally:
         watch.close()
     assert signal.getsignal(signal.SIGUSR1) is before
@@ -790,9 +790,9 @@ def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_it
 def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
     from service.preemption import Preemption
 
-    calls: list[tuple[bool, int]] = []
+    calls: list[tuple[int, int]] = []
 
-    def agree(local: bool, proposal: int) -> tuple[bool, int]:
+    def agree(local: int, proposal: int) -> tuple[int, int]:
         calls.append((local, proposal))
         return local, 50
 
@@ -800,13 +800,13 @@ def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
     watch = Preemption(interval=0.1, clock=lambda: now[0])
     try:
         now[0] += 0.5  # start-up took 0.5 s
-        assert watch.stop_here() is False  # before the process group: its own flag, no collective
+        assert watch.stop_here() is None  # before the process group: its own flag, no collective
         watch.connect(agree)
         now[0] += 0.01
-        assert watch.stop_now() is False and len(calls) == 1  # the ranks agree on 50 steps to the next check
-        assert watch.stop_now() is False and len(calls) == 1
+        assert watch.stop_now() is None and len(calls) == 1  # the ranks agree on 50 steps to the next check
+        assert watch.stop_now() is None and len(calls) == 1
         watch.received = "SIGTERM"  # as the handler sets it, e.g. during an evaluation
-        assert watch.stop_here() is True and calls[-1][0] is True  # at once, not 48 steps later
+        assert watch.stop_here() == "preempted" and calls[-1][0] == 1  # at once, not 48 steps later
     finally:
         watch.close()
 
