@@ -25,6 +25,10 @@ from procs import kill_tree
 
 WHY = "`make test` installs the Debian packages slurm-wlm and munge (apt-get, as root)."
 CPUS_PER_NODE = 2  # two tasks per node: the bare-srun test runs 2 x 2 processes
+# A requeued job waits out the job credential's lifetime (Slurm's default: 120 s), then the scheduler's next
+# pass (default: every 60 s); short here, so a requeue test waits seconds.
+CRED_EXPIRE = 10
+SCHED_INTERVAL = 1
 NODES = ("n1", "n2")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}  # fmt: skip
@@ -58,7 +62,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
+AuthInfo=socket={root}/munge/munge.socket,cred_expire={CRED_EXPIRE}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -76,7 +80,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=1
+SchedulerParameters=sched_interval={SCHED_INTERVAL}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides

@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from conftest import QUICK, REPO, child_env, read_summary
 from rendezvous.conftest import require_etcd, start_single
-from slurm_cluster import SlurmCluster, slurm_fixture  # noqa: F401 (the fixture "slurm")
+from slurm_cluster import CRED_EXPIRE, FINISHED, SCHED_INTERVAL, SlurmCluster, slurm_fixture  # noqa: F401 (fixture "slurm")
 
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 WRAPPER = REPO / "launch" / "slurm" / "srun_torchrun.sh"
@@ -84,28 +85,79 @@ def test_sbatch_script_refuses_to_run_outside_slurm():
     assert done.returncode == 2 and "submit this script with sbatch" in done.stderr
 
 
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("", "1"), ("3", "3")], ids=["unset", "empty", "given"])
+def test_wrapper_sets_omp_num_threads_to_1_unless_given(tmp_path, given, seen):
+    """torchrun sets it only for 2+ processes per node; the wrapper sets it for one too, and a given value stays.
+
+    The "python" here is a stand-in that prints what the agent would get (the cluster test checks the workers).
+    """
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/sh\necho "OMP_NUM_THREADS=${OMP_NUM_THREADS-unset} $*"\n')
+    stand_in.chmod(0o755)
+    env = {key: value for key, value in child_env().items() if key != "OMP_NUM_THREADS"}
+    env.update(STEP_ENV, DDP_NPROC_PER_NODE="1", DDP_RDZV_ENDPOINT="h:2379", DDP_PYTHON=str(stand_in))
+    if given is not None:
+        env["OMP_NUM_THREADS"] = given
+    done = subprocess.run([str(WRAPPER), "job.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"OMP_NUM_THREADS={seen} -m service launch --nnodes=2 --nproc-per-node=1 "), done
+    assert done.stdout.rstrip().endswith(" job.yaml"), done.stdout
+    assert f"OMP_NUM_THREADS={seen}" in done.stderr and ("set here" in done.stderr) == (given != "3"), done.stderr
+
+
 # -- the real cluster ------------------------------------------------------------------------------------
 
 
-def sbatch(slurm: SlurmCluster, tmp_path: Path, name: str, *args: str, **env: str) -> tuple[str, Path, Path]:
+def sbatch(slurm: SlurmCluster, tmp_path: Path, name: str, *args: str, unset: tuple[str, ...] = (),
+           **env: str) -> tuple[str, Path, Path]:  # fmt: skip
     """Submit train.sbatch with 2 CPU processes per node; (job id, run_dir, Slurm output file)."""
     run_dir, output = tmp_path / name, tmp_path / f"{name}.out"
     job_env = child_env(**{"PYTHONUNBUFFERED": "1", "SLURM_CONF": slurm.env["SLURM_CONF"], "DDP_RUN_DIR": str(run_dir),
                            "DDP_PYTHON": sys.executable, "DDP_NPROC_PER_NODE": str(PER_NODE), **env})  # fmt: skip
+    for name in unset:
+        job_env.pop(name, None)
     cmd = ["sbatch", "--parsable", f"--output={output}", str(SBATCH), *args]
     done = subprocess.run(cmd, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, f"sbatch exited {done.returncode}: {done.stderr}"
     return done.stdout.strip().split(";")[0], run_dir, output
 
 
-def wait_for_line(output: Path, pattern: str, timeout: float) -> str:
+def wait_for_line(output: Path, pattern: str, timeout: float, after: str = "") -> str:
+    """The output once a line matches ``pattern`` (only past the first ``after``, when given); what follows it."""
     deadline, text = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
         text = output.read_text(errors="replace") if output.exists() else ""
-        if re.search(pattern, text):
-            return text
+        start = text.find(after)
+        if start >= 0 and re.search(pattern, text[start:]):
+            return text[start:]
         time.sleep(0.2)
-    raise AssertionError(f"no line matching {pattern!r} in {output} within {timeout} s:\n{text[-4000:]}")
+    raise AssertionError(f"no line matching {pattern!r} after {after!r} in {output} within {timeout} s:\n"
+                         f"{text[-4000:]}")  # fmt: skip
+
+
+def wait_for_requeue(slurm: SlurmCluster, job_id: str, output: Path, after: str, timeout: float) -> str:
+    """The output past ``after`` once train.sbatch says it requeues; fails at once if the job ends instead."""
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        full = output.read_text(errors="replace") if output.exists() else ""
+        text = full[max(full.find(after), 0) :]
+        if re.search(r"train\.sbatch: \S+ requeueing job", text):
+            return text
+        record = slurm.job(job_id)
+        if record.get("JobState") in FINISHED:
+            raise AssertionError(f"job {job_id} ended without a requeue: JobState={record['JobState']} "
+                                 f"ExitCode={record['ExitCode']}\n{text[-4000:]}")  # fmt: skip
+        time.sleep(0.3)
+    raise AssertionError(f"train.sbatch did not requeue job {job_id} within {timeout} s:\n{text[-4000:]}")
+
+
+def assert_reads_as_preemption(text: str) -> None:
+    """No traceback anywhere; every preempted attempt says so in words, and why srun says exit code 75."""
+    assert "Traceback" not in text and "SignalException" not in text, text[-6000:]
+    assert "Exited with exit code 1" not in text, text[-6000:]
+    preempted = text.count("summary status 'preempted'")
+    assert preempted and text.count("launch: exit 75 (preempted") == 2 * preempted, text[-6000:]
+    assert text.count("75 is the preemption exit code, not a failure") == preempted, text[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +212,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(slurm
         assert (
             f"--rdzv-backend=etcd3 --rdzv-endpoint={etcd} --rdzv-id={rdzv_id} (job {job_id}, attempt {attempt})" in text
         )
+    assert_reads_as_preemption(text)
 
     assert text.count("SIGUSR1 received") == 2 * PER_NODE, text[-6000:]  # every worker saw it
     # Both agents handled it (--signals-to-handle) instead of dying of it and orphaning their workers.
@@ -168,8 +221,9 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(slurm
     signalled = max(int(step) for step in re.findall(r"\[rank \d\] INFO step (\d+)/", before))
     assert 8 <= signalled <= stopped < STEPS
     assert f"checkpoint saved: {run_dir}/checkpoints/step-{stopped:08d}.pt" in text
-    assert "summary status 'preempted'" in text and f"requeueing job {job_id}" in text
-    assert f"train.sbatch: job {job_id} attempt 1 " in text and "summary status 'completed'" in text
+    assert f"job {job_id} attempt 0 was preempted at step {stopped}, with its checkpoint saved" in text
+    assert f"requeueing job {job_id}" in text
+    assert re.search(rf"train.sbatch: \S+ job {job_id} attempt 1 ", text) and "summary status 'completed'" in text
 
     final = read_summary(run_dir)
     assert final["status"] == "completed" and (final["launcher"], final["scheduler"]) == ("torchrun", "slurm")
@@ -179,6 +233,72 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(slurm
         assert final[key] == reference[key], (key, final[key], reference[key])
     # Bit-identical at 4 ranks too (docs/resume.md: every start settles DDP's buckets before training).
     assert final["model_digest"] == reference["model_digest"]
+
+
+WORKER_ENV_PROBE = """\
+import os, sys
+if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+    print(f"worker-env rank={os.environ['RANK']} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+          file=sys.stderr, flush=True)
+"""
+
+
+RESUMED = r"\[rank 0\] INFO resuming from \S+ \(step (\d+)"
+
+
+def stamp(text: str, pattern: str) -> datetime:
+    """The UTC time train.sbatch printed on the line matching ``pattern`` (after "train.sbatch: ")."""
+    found = re.search(rf"train\.sbatch: (\S+Z) {pattern}", text)
+    assert found, (pattern, text[-6000:])
+    return datetime.strptime(found.group(1), "%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.e2e
+def test_usr1_to_the_batch_shell_is_passed_on_and_the_job_requeued(slurm, tmp_path):
+    """scancel --full (shell and step), then --batch (the shell only, as --signal=B:USR1@T): both requeue.
+
+    One process per node, with OMP_NUM_THREADS unset in the submitting shell: the workers must see 1.
+    """
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(WORKER_ENV_PROBE)  # runs at the start of every python here
+    job = (*JOB, "task_options.sleep=0.1")  # a later --set wins
+    job_id, run_dir, output = sbatch(slurm, tmp_path, "shell", *sets(*job), unset=("OMP_NUM_THREADS",),
+                                     DDP_NPROC_PER_NODE="1",
+                                     PYTHONPATH=f"{probe}:{child_env()['PYTHONPATH']}")  # fmt: skip
+    stops = []
+    for attempt, how in ((0, "--full"), (1, "--batch")):
+        marker = f"job {job_id} attempt {attempt} on"
+        after = wait_for_line(output, RESUMED if attempt else r"\[rank 0\] INFO step 1/", 180, marker)
+        start = int(re.search(RESUMED, after).group(1)) if attempt else 0
+        wait_for_line(output, rf"\[rank 0\] INFO step {start + 3}/", 60, marker)
+        slurm.run("scancel", how, "--signal=USR1", job_id)
+        stopped = wait_for_requeue(slurm, job_id, output, marker, timeout=120)
+        stops.append(int(re.search(r"\[rank 0\] WARNING preempted: stopped at step (\d+)", stopped).group(1)))
+        assert "the batch shell got SIGUSR1; passing it to the training step" in stopped, stopped[-6000:]
+        assert stopped.count("SIGUSR1 received") == 2, stopped[-6000:]  # both workers, once each
+    record = slurm.wait_job(job_id, timeout=240)
+    text = output.read_text(errors="replace")
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "2"), (
+        f"{record}\n{text[-6000:]}"
+    )
+    assert_reads_as_preemption(text)
+    assert text.count("summary status 'preempted'") == 2 and "summary status 'completed'" in text
+    assert 3 <= stops[0] < stops[1] < STEPS, stops
+    # 0 steps lost: each attempt resumed from the very step the previous one stopped at.
+    resumed = [int(step) for step in re.findall(RESUMED, text)]
+    assert resumed == stops, (resumed, stops, text[-6000:])
+    final = read_summary(run_dir)
+    assert (final["status"], final["global_step"], final["world_size"]) == ("completed", STEPS, 2)
+    assert final["resumed_from"]["step"] == stops[1]
+
+    threads = re.findall(r"worker-env rank=(\d) OMP_NUM_THREADS=(\S+)", text)
+    assert len(threads) == 3 * 2 and {value for _, value in threads} == {"1"}, threads  # 3 attempts x 2 workers
+    # A requeued job starts again after the credential's lifetime and the scheduler's next pass: measured here.
+    for attempt in (1, 2):
+        held = stamp(text, f"job {job_id} attempt {attempt} on") - stamp(text[text.find(f"attempt {attempt - 1} on"):],
+                                                                         "requeueing job")  # fmt: skip
+        assert CRED_EXPIRE <= held.total_seconds() <= CRED_EXPIRE + 1 + SCHED_INTERVAL + 10, (attempt, held)
 
 
 @pytest.mark.e2e

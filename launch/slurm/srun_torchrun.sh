@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One Slurm task per node runs this: torchrun for the node's workers, `python -m service train` in each.
+# One Slurm task per node runs this: torchrun's agent for the node's workers, through `python -m service launch`
+# (torchrun that validates the job first and exits 0 completed, 75 preempted, 2 bad input, 1 failed, with no
+# traceback), and `python -m service train` in each worker.
 #
 #   srun --ntasks-per-node=1 launch/slurm/srun_torchrun.sh [wrapper flags] [job.yaml] [--set key=value ...]
 #
@@ -116,16 +118,24 @@ else
     rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$host:$port" --rdzv-conf="is_host=$is_host${DDP_RDZV_CONF:+,$DDP_RDZV_CONF}")
 fi
 
+# torchrun sets OMP_NUM_THREADS=1 only for two or more processes per node. With one, each worker would use
+# every core of its node, and a CPU run's numbers would depend on that count (docs/resume.md): set it the same.
+threads_note=
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    export OMP_NUM_THREADS=1
+    threads_note=" (set here, as torchrun does for several processes per node; export OMP_NUM_THREADS to choose)"
+fi
+
 python=${DDP_PYTHON:-python3}
 command -v "$python" >/dev/null || die "DDP_PYTHON (--python) is '$python', which is not a program here;" \
     "set it to the python of the environment that has ddp-service installed, such as \$PWD/.venv/bin/python."
 
 echo "srun_torchrun.sh: $SLURMD_NODENAME: torchrun --nnodes=$nnodes --nproc-per-node=$nproc ${rdzv[*]}" \
-    "--rdzv-id=$rdzv_id (job $job, attempt ${SLURM_RESTART_COUNT:-0})" >&2
+    "--rdzv-id=$rdzv_id (job $job, attempt ${SLURM_RESTART_COUNT:-0}), OMP_NUM_THREADS=$OMP_NUM_THREADS$threads_note" >&2
 # exec: the step's signals (Slurm's --signal=USR1@90, scancel --signal) go straight to the agent, which hands
 # them to its workers; a shell in between would die of SIGUSR1.
-exec "$python" -m torch.distributed.run \
+exec "$python" -m service launch \
     --nnodes="$nnodes" --nproc-per-node="$nproc" "${rdzv[@]}" --rdzv-id="$rdzv_id" \
     --max-restarts="$restarts" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout="$shutdown" \
-    -m service train "$@"
+    "$@"
