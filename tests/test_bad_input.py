@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import QUICK, REPO, child_env
 
+from service.checkpoint_io import state_name
 from service.cli import main
 from service.config import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_VALUES
 from service.hostlist import HostlistError, expand_hostlist
@@ -283,3 +284,20 @@ def test_non_finite_float_is_refused_by_train_before_any_work(tmp_path):
         for key, value in (("train.grad_clip", "'1e400'"), ("train.momentum", "'Infinity'"), ("train.lr", "'-inf'")):
             assert f"{key}: must be a finite number" in done.output and f"(got {value})" in done.output, done.output
         assert "write a plain number such as 0.05" in done.output and not run_dir.exists()
+
+
+def test_resume_skips_a_planted_fifo_and_falls_back_to_the_previous_checkpoint(tmp_path):
+    """Issue 15: a FIFO at the newest step's .pt, beside its valid manifest, hung the resume (SIGTERM only set the
+    preemption flag). Two real ``train`` runs; the second would hang without the fix, and train()'s timeout
+    (120 s) fails the test instead."""
+    run_dir = tmp_path / "run"
+    code, output = train(run_dir, "checkpoint.every_steps=1")
+    checkpoints = run_dir / "checkpoints"
+    assert code == 0 and (checkpoints / state_name(2)).is_file(), output[-3000:]
+    (checkpoints / state_name(2)).unlink()
+    os.mkfifo(checkpoints / state_name(2))
+    code, output = train(run_dir, "checkpoint.every_steps=1", "train.max_steps=3")
+    assert code == 0, output[-3000:]
+    assert f"skipping checkpoint {checkpoints / state_name(2)}: {state_name(2)} is a FIFO" in output, output[-3000:]
+    assert f"resuming from {checkpoints / state_name(1)} (step 1" in output and "done: step 3" in output
+    assert (checkpoints / state_name(2)).is_file()  # saved again over the FIFO, atomically
