@@ -13,8 +13,9 @@ truncated or flipped file, a missing manifest) is skipped with a warning, and
 the checkpoint before it is used. Both files are opened only when they are
 regular files (a symlink only to one inside the checkpoint directory), and
 the state's size is matched to its manifest before a byte is read: a planted
-FIFO would block the resume, a link to /dev/zero would never end. States load with ``weights_only=True``: a
-file that holds any other pickled object is refused and nothing in it runs.
+FIFO would block the resume, a link to /dev/zero would never end. States load
+with ``weights_only=True``: a file that holds any other pickled object is
+refused and nothing in it runs.
 """
 
 from __future__ import annotations

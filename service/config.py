@@ -227,11 +227,13 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
             continue
         try:
             _set_path(result, key.strip().split("."), _parse_yaml(raw) if raw.strip() else raw)
-        except (TypeError, ValueError, yaml.YAMLError) as exc:
+        except (TypeError, yaml.YAMLError) as exc:
             errors.append(f"--set {shown}: {exc}")
+        except ValueError as exc:  # past a bound of _parse_yaml
+            errors.append(f"--set {shown}: its value {exc}")
     if not errors:
         try:
-            check_bounds(result)  # a long dotted key nests too
+            _check_bounds(result)  # a long dotted key nests too
         except ValueError as exc:
             errors.append(f"the config with its --set overrides {exc}")
     if errors:
@@ -244,7 +246,7 @@ def _too_deep(where: str = "") -> ValueError:
                       "a few, so flatten task_options (or pass deep data to the task as a file path)")  # fmt: skip
 
 
-def check_bounds(data: Any) -> None:
+def _check_bounds(data: Any) -> None:
     """Refuse, with ``ValueError``, data deeper than MAX_DEPTH or with more than MAX_VALUES keys and values.
 
     The walk visits shared (aliased) nodes once per reference, so it measures
@@ -269,7 +271,7 @@ def check_bounds(data: Any) -> None:
 
 def _parse_yaml(text: str) -> Any:
     """``yaml.safe_load``, bounded: the depth is read from the parser's events first (the composer recurses,
-    so 4,000 levels would overflow Python's stack), then the composed data is checked by :func:`check_bounds`."""
+    so 4,000 levels would overflow Python's stack), then the composed data is checked by :func:`_check_bounds`."""
     depth = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
@@ -280,7 +282,7 @@ def _parse_yaml(text: str) -> Any:
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
     data = yaml.safe_load(text)
-    check_bounds(data)
+    _check_bounds(data)
     return data
 
 
