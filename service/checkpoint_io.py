@@ -10,8 +10,12 @@ A checkpoint is two files in ``run_dir/checkpoints``:
 A checkpoint counts only when its manifest parses and the state file has the
 size and sha256 it names. Anything else (a crash before the rename, a
 truncated or flipped file, a missing manifest) is skipped with a warning, and
-the checkpoint before it is used. States load with ``weights_only=True``: a
-file that holds any other pickled object is refused and nothing in it runs.
+the checkpoint before it is used. Both files are opened only when they are
+regular files (a symlink only to one inside the checkpoint directory), and
+the state's size is matched to its manifest before a byte is read: a planted
+FIFO would block the resume, a link to /dev/zero would never end. States load
+with ``weights_only=True``: a file that holds any other pickled object is
+refused and nothing in it runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -213,15 +218,54 @@ def candidate_steps(directory: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}  # fmt: skip
+
+
+def _not_regular(name: str, mode: int) -> ValueError:
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a plain file")
+    return ValueError(f"{name} is {kind}, not a regular file; nothing was read from it (delete it if you did "
+                      "not put it there)")  # fmt: skip
+
+
+def _open_regular(directory: Path, name: str) -> tuple[BinaryIO, int]:
+    """Open ``directory/name`` and return it with its size, reading nothing; ``ValueError`` unless it is a
+    regular file, reached at most through a symlink that stays inside ``directory``; ``FileNotFoundError``."""
+    path = target = directory / name
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        target = path.resolve()
+        if not target.is_relative_to(directory.resolve()):
+            raise ValueError(f"{name} is a symbolic link to {target}, outside {directory}; nothing was read "
+                             "from it (delete the link if you did not put it there)")  # fmt: skip
+        info = os.lstat(target)
+    if not stat.S_ISREG(info.st_mode):
+        raise _not_regular(name, info.st_mode)
+    # O_NONBLOCK and O_NOFOLLOW: a FIFO or link swapped in since the lstat neither blocks nor is followed
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _not_regular(name, stat.S_IFLNK) from None
+        raise
+    file = os.fdopen(fd, "rb")
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        file.close()
+        raise _not_regular(name, opened.st_mode)
+    return file, opened.st_size
+
+
 def read_manifest(directory: Path, step: int) -> Manifest:
     """The manifest of ``step``; ``ValueError`` with the reason when it is missing or malformed."""
     path = directory / manifest_name(step)
     try:
-        with open(path, "rb") as file:
-            raw = file.read(_MAX_MANIFEST_BYTES + 1)
+        file, size = _open_regular(directory, path.name)
     except FileNotFoundError:
         raise ValueError("it has no manifest (a save that did not finish)") from None
-    if len(raw) > _MAX_MANIFEST_BYTES:
+    with file:
+        raw = file.read(_MAX_MANIFEST_BYTES + 1) if size <= _MAX_MANIFEST_BYTES else b""
+    if size > _MAX_MANIFEST_BYTES or len(raw) > _MAX_MANIFEST_BYTES:
         raise ValueError(f"its manifest {path.name} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
         manifest = Manifest.model_validate(json.loads(raw))
@@ -236,11 +280,17 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
     """The manifest and state bytes of ``step`` after checking size and sha256; ``ValueError`` if they fail."""
     manifest = read_manifest(directory, step)
     try:
-        payload = (directory / manifest.file).read_bytes()
+        file, size = _open_regular(directory, manifest.file)
     except FileNotFoundError:
         raise ValueError(f"its state file {manifest.file} is missing") from None
-    if len(payload) != manifest.size:
-        raise ValueError(f"{manifest.file} has {len(payload)} bytes, its manifest says {manifest.size} (truncated?)")
+    payload = b""
+    with file:
+        if size == manifest.size:  # else nothing is read: a sparse 1 TB file never reaches memory
+            payload = file.read(size + 1)  # one byte more: a file that grew since the fstat is caught too
+            size = len(payload)
+    if size != manifest.size:
+        why = "truncated?" if size < manifest.size else "written to since, or replaced?"
+        raise ValueError(f"{manifest.file} has {size} bytes, its manifest says {manifest.size} ({why})")
     if hashlib.sha256(payload).hexdigest() != manifest.sha256:
         raise ValueError(f"{manifest.file} does not match the sha256 in its manifest (corrupted)")
     return manifest, payload

@@ -2,11 +2,14 @@
 
 Every key has a default, so an empty file (or none) is a valid job: the demo.
 Unknown keys are errors, and all errors are reported together, each with its path.
+Every float must be finite (checked on the parsed number, so ``1e400`` and
+``Infinity`` are caught too), and the input is bounded before anything walks
+it: the file's size, the nesting depth, and the values after YAML aliases are
+expanded.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -39,7 +42,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+    # allow_inf_nan=False: every float field refuses inf and nan after parsing ('1e400', 'Infinity', .inf alike)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True, allow_inf_nan=False
+    )
 
 
 def _switch(value: Any) -> Any:
@@ -54,17 +60,11 @@ SEED_MAX = 2**32 - 1  # numpy's limit; torch's generators also take (seed * 1_00
 TIMEOUT_MAX = 7 * 24 * 3600  # datetime.timedelta and the C++ stores overflow far above; a week is already absurd
 
 
-def _finite(value: Any) -> Any:
-    """YAML reads ``.inf`` and ``.nan`` as floats; no rate, momentum or norm may be one."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(
-            "must be a finite number (YAML reads .inf and .nan as infinity and not-a-number); "
-            "write a plain number such as 0.05"
-        )
-    return value
-
-
-Finite = Annotated[float, BeforeValidator(_finite)]
+MAX_CONFIG_BYTES = 1 << 20  # a job config is a few hundred bytes; task_options may list some names
+MAX_DEPTH = 32  # mappings and lists inside each other, the top level included
+MAX_VALUES = 100_000  # keys and values once YAML aliases are expanded (nine levels of *refs: 10**9)
+_NOT_FINITE = ("must be a finite number (.inf, .nan, Infinity and 1e400 all read as infinity or not-a-number); "
+               "write a plain number such as 0.05")  # fmt: skip
 
 
 def _port(value: Any) -> int | str:
@@ -102,7 +102,7 @@ class TrainConfig(_Section):
         description="Samples per optimizer step over the whole world, kept under resizes; null: "
         "batch_size x world_size x grad_accum.",
     )
-    lr: Finite = Field(0.05, gt=0)
+    lr: float = Field(0.05, gt=0)
     grad_accum: int = Field(
         1, ge=1, description="Micro-steps per optimizer step (derived when global_batch_size is set)."
     )
@@ -110,9 +110,9 @@ class TrainConfig(_Section):
     sync_batchnorm: OnOffAuto = "auto"
     strategy: Literal["ddp", "dp"] = "ddp"
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: Finite = Field(0.9, ge=0, lt=1)
-    weight_decay: Finite = Field(0.0, ge=0)
-    grad_clip: Finite | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
@@ -221,16 +221,69 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
     errors = []
     for override in overrides:
         key, sep, raw = override.partition("=")
+        shown = repr(override if len(override) <= 120 else f"{override[:120]}...")
         if not sep or not key.strip():
-            errors.append(f"--set {override!r}: write it as dotted.key=value, e.g. train.lr=0.1")
+            errors.append(f"--set {shown}: write it as dotted.key=value, e.g. train.lr=0.1")
             continue
         try:
-            _set_path(result, key.strip().split("."), yaml.safe_load(raw) if raw.strip() else raw)
+            _set_path(result, key.strip().split("."), _parse_yaml(raw) if raw.strip() else raw)
         except (TypeError, yaml.YAMLError) as exc:
-            errors.append(f"--set {override!r}: {exc}")
+            errors.append(f"--set {shown}: {exc}")
+        except ValueError as exc:  # past a bound of _parse_yaml
+            errors.append(f"--set {shown}: its value {exc}")
+    if not errors:
+        try:
+            _check_bounds(result)  # a long dotted key nests too
+        except ValueError as exc:
+            errors.append(f"the config with its --set overrides {exc}")
     if errors:
         raise ConfigError(errors, "The command line")
     return result
+
+
+def _too_deep(where: str = "") -> ValueError:
+    return ValueError(f"nests mappings and lists more than {MAX_DEPTH} levels deep{where}; a job config needs "
+                      "a few, so flatten task_options (or pass deep data to the task as a file path)")  # fmt: skip
+
+
+def _check_bounds(data: Any) -> None:
+    """Refuse, with ``ValueError``, data deeper than MAX_DEPTH or with more than MAX_VALUES keys and values.
+
+    The walk visits shared (aliased) nodes once per reference, so it measures
+    the expanded size, and it stops at the first value past either limit: a
+    small YAML file of nested aliases is refused in a moment, not expanded.
+    """
+    stack, seen = [(data, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ValueError(
+                f"holds more than {MAX_VALUES} keys and values once its YAML aliases (*name) are expanded; "
+                "write the values out, or pass large data to the task as a file path in task_options"
+            )
+        if isinstance(node, (Mapping, list)):
+            if depth > MAX_DEPTH:
+                raise _too_deep()
+            children = [*node.keys(), *node.values()] if isinstance(node, Mapping) else node
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _parse_yaml(text: str) -> Any:
+    """``yaml.safe_load``, bounded: the depth is read from the parser's events first (the composer recurses,
+    so 4,000 levels would overflow Python's stack), then the composed data is checked by :func:`_check_bounds`."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise _too_deep(f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    data = yaml.safe_load(text)
+    _check_bounds(data)
+    return data
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -251,7 +304,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Load a YAML mapping, with errors that name the file."""
     file = Path(path)
     try:
-        text = file.read_text(encoding="utf-8")
+        with open(file, "rb") as stream:  # a bounded read: the path may be a pipe, or /dev/zero
+            raw = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError([f"it is larger than {MAX_CONFIG_BYTES} bytes; a job config is a few hundred, so "
+                               "pass large data to the task as a file path in task_options"],
+                              f"The config file {file}")  # fmt: skip
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         reason = (f"it is not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start} cannot be "
                   "decoded; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")  # fmt: skip
@@ -259,9 +318,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError([f"cannot read {file}: {exc.strerror or exc}"], f"The config file {file}") from exc
     try:
-        data = yaml.safe_load(text)
+        data = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], f"The config file {file}") from exc
+    except ValueError as exc:
+        raise ConfigError([f"it {exc}"], f"The config file {file}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -283,8 +344,10 @@ def _format_error(error: Mapping[str, Any]) -> str:
     path = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        message = "unknown key; check the spelling against the README's config reference"
-    elif "input" in error and not isinstance(error["input"], (dict, list)):
+        return f"{path}: unknown key; check the spelling against the README's config reference"
+    if error["type"] == "finite_number":
+        message = _NOT_FINITE
+    if "input" in error and not isinstance(error["input"], (dict, list)):
         message = f"{message} (got {error['input']!r})"
     return f"{path}: {message}"
 

@@ -7,15 +7,21 @@ train`` subprocess where it needs the task, the run_dir or the launcher.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import QUICK, REPO, child_env
 
+from service.checkpoint_io import state_name
 from service.cli import main
+from service.config import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_VALUES
 from service.hostlist import HostlistError, expand_hostlist
 
 SLURM_BATCH = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]",
@@ -41,9 +47,53 @@ def train(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> 
     return done.returncode, done.stdout + done.stderr
 
 
+@dataclasses.dataclass(frozen=True)
+class Limited:
+    code: int
+    output: str
+    seconds: float
+    peak_rss: int  # bytes, of this child alone (os.wait4), not the maximum over every child the tests ran
+
+
+def run_limited(args: list[str], timeout: float = 60, memory: int = 1 << 30) -> Limited:
+    """``python -m service ARGS`` with its address space capped at ``memory`` and killed after ``timeout``.
+
+    The cap turns a config that expands without bound into a MemoryError in
+    the child instead of a machine out of memory; the kill turns a hang into
+    a failed test instead of a stuck suite.
+    """
+    with tempfile.TemporaryFile() as out:
+        started = time.monotonic()
+
+        def cap() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+        proc = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=REPO, env=child_env(), stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=cap)  # fmt: skip
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - started > timeout:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.02)
+        seconds = time.monotonic() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait for it again
+        out.seek(0)
+        return Limited(proc.returncode, out.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024)
+
+
 def latin1_file(tmp_path: Path) -> str:
     path = tmp_path.with_name("job.yaml")
     path.write_bytes("run_dir: runs/caf\xe9\n".encode("latin-1"))
+    return str(path)
+
+
+def yaml_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path.with_name("job.yaml")
+    path.write_text(text)
     return str(path)
 
 
@@ -72,6 +122,24 @@ CASES = [
         lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=.nan"]),
         2,
         ["train.lr", "got nan", "finite number"],
+    ),
+    (
+        "lr-1e400",  # YAML reads 1e400 (no dot) as a string; pydantic parsed it to inf after the check had run
+        lambda c, t, r: in_process(c, ["validate", "--set", "train.lr=1e400"]),
+        2,
+        ["train.lr", "got '1e400'", "finite number", "such as 0.05"],
+    ),
+    (
+        "grad-clip-infinity",
+        lambda c, t, r: in_process(c, ["validate", "--set", "train.grad_clip=Infinity"]),
+        2,
+        ["train.grad_clip", "got 'Infinity'", "finite number"],
+    ),
+    (
+        "weight-decay-inf-in-a-file",
+        lambda c, t, r: in_process(c, ["validate", yaml_file(t, "train:\n  weight_decay: inf\n")]),
+        2,
+        ["job.yaml", "train.weight_decay", "got 'inf'", "finite number"],
     ),
     (
         "timeout-1e14",
@@ -165,3 +233,71 @@ def test_huge_slurm_node_list_gives_the_first_host_at_once_and_is_never_expanded
         expand_hostlist("n[0-99999999],m1")
     with pytest.raises(HostlistError, match=r"bad range '9-1'"):
         expand_hostlist("n[9-1]")
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """About 1 KB of YAML that expands to 9**levels mappings: each level names the one before nine times."""
+    lines = ["task_options:", "  a0: &a0 {k0: 1, k1: 2, k2: 3, k3: 4, k4: 5, k5: 6, k6: 7, k7: 8, k8: 9}"]
+    for level in range(1, levels + 1):
+        refs = ", ".join(f"k{j}: *a{level - 1}" for j in range(9))
+        lines.append(f"  a{level}: &a{level} {{{refs}}}")
+    return "\n".join(lines) + "\n"
+
+
+DEEP = "[" * 4000 + "]" * 4000
+UNBOUNDED = [  # (id, file text or None, arguments after the file, substrings of the message)
+    ("alias-bomb", alias_bomb(), [], ["job.yaml", f"more than {MAX_VALUES} keys and values", "aliases (*name)"]),
+    ("alias-bomb-train", alias_bomb(), ["train"], ["job.yaml", f"more than {MAX_VALUES} keys and values"]),
+    ("recursive-alias", "task_options:\n  x: &x [*x]\n", [], ["job.yaml", f"more than {MAX_DEPTH} levels deep"]),
+    ("4000-levels-in-a-file", f"task_options:\n  x: {DEEP}\n", [], ["job.yaml", f"more than {MAX_DEPTH} levels",
+                                                                       "line 2", "flatten task_options"]),
+    ("4000-levels-in-set", None, ["--set", f"task_options.x={DEEP}"], ["--set 'task_options.x=[[[", "levels deep"]),
+    ("4000-dotted-keys", None, ["--set", "task_options." + ".".join(["k"] * 4000) + "=1"],
+     ["with its --set overrides nests", "levels deep"]),
+    ("dev-zero-as-config", "/dev/zero", [], ["/dev/zero", f"larger than {MAX_CONFIG_BYTES} bytes"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "args", "needles"), [c[1:] for c in UNBOUNDED], ids=[c[0] for c in UNBOUNDED])
+def test_unbounded_config_is_refused_fast_with_bounded_memory(tmp_path, text, args, needles):
+    """Issue 15: nine levels of aliases used gigabytes; 4,000 levels gave a RecursionError (exit 1, not 2)."""
+    command = args[0] if args[:1] == ["train"] else "validate"
+    rest = args[1:] if command == "train" else args
+    path = text if text == "/dev/zero" else (yaml_file(tmp_path, text) if text is not None else None)
+    run_dir = tmp_path / "run"
+    done = run_limited([command, *([path] if path else []), "--set", f"run_dir={run_dir}", *rest], timeout=60)
+    assert done.code == 2, done.output[-3000:]
+    for needle in needles:
+        assert needle in done.output, f"{needle!r} missing from:\n{done.output[-3000:]}"
+    assert "Traceback" not in done.output and not run_dir.exists()
+    assert done.seconds < 15, done.seconds  # the old code was still expanding the alias bomb after 30 s
+    assert done.peak_rss < 200 * 2**20, done.peak_rss  # about 35 MiB; the old code passed 2 GiB
+
+
+def test_non_finite_float_is_refused_by_train_before_any_work(tmp_path):
+    """The real entrypoint, train as well as validate: exit 2 and the key, the value and the fix."""
+    job = yaml_file(tmp_path, "train:\n  grad_clip: 1e400\n  momentum: Infinity\n")
+    run_dir = tmp_path / "run"
+    for command in ("train", "validate"):
+        done = run_limited([command, job, "--set", f"run_dir={run_dir}", "--set", "train.lr=-inf"], timeout=60)
+        assert done.code == 2, done.output[-3000:]
+        for key, value in (("train.grad_clip", "'1e400'"), ("train.momentum", "'Infinity'"), ("train.lr", "'-inf'")):
+            assert f"{key}: must be a finite number" in done.output and f"(got {value})" in done.output, done.output
+        assert "write a plain number such as 0.05" in done.output and not run_dir.exists()
+
+
+def test_resume_skips_a_planted_fifo_and_falls_back_to_the_previous_checkpoint(tmp_path):
+    """Issue 15: a FIFO at the newest step's .pt, beside its valid manifest, hung the resume (SIGTERM only set the
+    preemption flag). Two real ``train`` runs; the second would hang without the fix, and train()'s timeout
+    (120 s) fails the test instead."""
+    run_dir = tmp_path / "run"
+    code, output = train(run_dir, "checkpoint.every_steps=1")
+    checkpoints = run_dir / "checkpoints"
+    assert code == 0 and (checkpoints / state_name(2)).is_file(), output[-3000:]
+    (checkpoints / state_name(2)).unlink()
+    os.mkfifo(checkpoints / state_name(2))
+    code, output = train(run_dir, "checkpoint.every_steps=1", "train.max_steps=3")
+    assert code == 0, output[-3000:]
+    assert f"skipping checkpoint {checkpoints / state_name(2)}: {state_name(2)} is a FIFO" in output, output[-3000:]
+    assert f"resuming from {checkpoints / state_name(1)} (step 1" in output and "done: step 3" in output
+    assert (checkpoints / state_name(2)).is_file()  # saved again over the FIFO, atomically

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+import typing
 
 import pytest
 import yaml
 from conftest import REPO, child_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
 
-from service.config import ConfigError, JobConfig, apply_overrides, load_config
+from service.config import MAX_DEPTH, MAX_VALUES, ConfigError, JobConfig, apply_overrides, load_config
 
 
 def test_defaults_are_a_valid_job():
@@ -113,3 +118,63 @@ def test_example_configs_validate():
 def test_reference_config_spells_out_the_defaults():
     """examples/shapes.yaml documents every key at its default; it must not drift."""
     assert load_config(REPO / "examples" / "shapes.yaml") == JobConfig()
+
+
+def _float_fields(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
+    """Every float key of the config, found by walking the models (so a new float field is covered too)."""
+    found = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found += _float_fields(annotation, f"{prefix}{name}.")
+        elif float in (annotation, *typing.get_args(annotation)):
+            found.append(f"{prefix}{field.alias or name}")
+    return found
+
+
+NOT_FINITE = ["1e400", "-1e400", "inf", "Infinity", "-Infinity", "NaN", ".inf", "-.inf", ".nan"]
+
+
+@pytest.mark.parametrize("value", NOT_FINITE)
+def test_every_float_field_refuses_non_finite_values_after_parsing(tmp_path, value):
+    """Issue 15: '1e400' and 'Infinity' are strings to YAML and became inf only when pydantic parsed them."""
+    fields = _float_fields()
+    assert {"train.lr", "train.momentum", "train.weight_decay", "train.grad_clip"} <= set(fields), fields
+    for key in fields:
+        section, name = key.split(".")
+        path = tmp_path / "job.yaml"
+        path.write_text(f"{section}:\n  {name}: {value}\n")
+        for source, overrides in ((path, []), (None, [f"{key}={value}"])):
+            with pytest.raises(ConfigError) as info:
+                load_config(source, overrides)
+            (error,) = info.value.errors
+            assert error.startswith(f"{key}: must be a finite number") and "such as 0.05" in error, error
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.one_of(st.floats(), st.floats().map(repr), st.sampled_from(NOT_FINITE), st.sampled_from(["1e308", "2e308"])))
+def test_a_float_that_validates_is_finite(value):
+    for key in _float_fields():
+        try:
+            config = load_config(None, [f"{key}={value}"])
+        except ConfigError:
+            continue
+        section, name = key.split(".")
+        assert math.isfinite(getattr(getattr(config, section), name)), (key, value)
+
+
+def test_deep_or_aliased_config_is_refused_with_its_limits(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("task_options:\n  x: " + "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1) + "\n")
+    with pytest.raises(ConfigError, match=f"more than {MAX_DEPTH} levels deep \\(line 2, column"):
+        load_config(path)
+    within = "[" * (MAX_DEPTH - 2) + "1" + "]" * (MAX_DEPTH - 2)  # task_options and x are two levels
+    assert load_config(None, [f"task_options.x={within}"]).task_options["x"]
+    # an anchor at depth 20 used at depth 20 is 40 deep once expanded: the walk measures the expanded data
+    path.write_text("task_options:\n  a: &a " + "[" * 18 + "]" * 18 + "\n  b: " + "[" * 18 + "*a" + "]" * 18 + "\n")
+    with pytest.raises(ConfigError, match=f"more than {MAX_DEPTH} levels deep"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=f"more than {MAX_VALUES} keys and values once its YAML aliases"):
+        load_config(None, ["task_options.x=[&a [1,2,3,4,5,6,7,8,9,10], " + ", ".join(["*a"] * 10_000) + "]"])
+    with pytest.raises(ConfigError, match="the config with its --set overrides nests"):
+        load_config(None, ["task_options." + ".".join(["k"] * MAX_DEPTH) + "=1"])

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -231,6 +232,23 @@ def _manifest_deeply_nested(d):
     (d / manifest_name(2)).write_bytes(b"[" * 5000)  # within the 64 KiB limit
 
 
+def _grown(d):
+    with open(d / state_name(2), "ab") as file:
+        file.write(b"more")
+
+
+def _link_outside(d):
+    """A byte-identical copy outside checkpoints/: valid size and sha256, but a link leaving the directory."""
+    outside = d.parent / "elsewhere.pt"
+    (d / state_name(2)).rename(outside)
+    (d / state_name(2)).symlink_to(outside)
+
+
+def _manifest_is_a_directory(d):
+    (d / manifest_name(2)).unlink()
+    (d / manifest_name(2)).mkdir()
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
@@ -244,6 +262,9 @@ def _manifest_deeply_nested(d):
         (_manifest_wrong_step, "names step 1"),
         (_manifest_bad_field, "not valid"),
         pytest.param(_manifest_deeply_nested, "not valid"),
+        (_grown, "written to since"),
+        (_link_outside, "is a symbolic link to"),
+        (_manifest_is_a_directory, "step-00000002.json is a directory, not a regular file"),
     ],
     ids=lambda value: value.__name__.strip("_") if callable(value) else None,
 )
@@ -306,6 +327,62 @@ def test_crash_between_the_two_renames_falls_back_with_a_warning(two_checkpoints
         assert newest(two_checkpoints)[0] == 2
     assert any(str(two_checkpoints / state_name(3)) in r.getMessage() and "no manifest" in r.getMessage()
                for r in caplog.records)  # fmt: skip
+
+
+def test_a_symlink_inside_the_checkpoint_directory_is_followed(two_checkpoints):
+    (two_checkpoints / state_name(2)).rename(two_checkpoints / "kept.pt")
+    (two_checkpoints / state_name(2)).symlink_to("kept.pt")
+    step, state = newest(two_checkpoints)
+    assert step == 2 and state["model"]["w"].tolist() == [2.0] * 4
+
+
+_SCAN = """
+import logging, sys
+from pathlib import Path
+from service.checkpoint_io import scan
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+manifest, payload = next(scan(Path(sys.argv[1])))
+print("newest", manifest.step, len(payload))
+"""
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _link_to_dev_zero(path: Path) -> None:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
+def _sparse_terabyte(path: Path) -> None:
+    os.truncate(path, 2**40)  # no disk used; reading it in full asks for 1 TiB of memory
+
+
+@pytest.mark.parametrize(
+    ("plant", "name", "reason"),
+    [
+        (_fifo, state_name(2), "step-00000002.pt is a FIFO (named pipe), not a regular file"),
+        (_fifo, manifest_name(2), "step-00000002.json is a FIFO (named pipe), not a regular file"),
+        (_link_to_dev_zero, state_name(2), "step-00000002.pt is a symbolic link to /dev/zero, outside"),
+        (_link_to_dev_zero, manifest_name(2), "step-00000002.json is a symbolic link to /dev/zero, outside"),
+        (_sparse_terabyte, state_name(2), f"step-00000002.pt has {2**40} bytes, its manifest says"),
+    ],
+    ids=["fifo-state", "fifo-manifest", "dev-zero-state", "dev-zero-manifest", "sparse-1tib-state"],
+)
+def test_planted_files_are_skipped_before_a_byte_is_read(two_checkpoints, plant, name, reason):
+    """Issue 15: a FIFO hung the scan, /dev/zero filled memory. A real process, under a timeout and 2 GiB."""
+    plant(two_checkpoints / name)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # torch itself maps about 0.7 GiB
+
+    done = subprocess.run([sys.executable, "-c", _SCAN, str(two_checkpoints)], env=child_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=60, preexec_fn=cap)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["newest", "1", str((two_checkpoints / state_name(1)).stat().st_size)]
+    assert f"WARNING skipping checkpoint {two_checkpoints / state_name(2)}: {reason}" in done.stderr, done.stderr
 
 
 def test_saving_a_step_again_replaces_it(two_checkpoints):
