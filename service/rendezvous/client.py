@@ -135,6 +135,14 @@ class EtcdClient:
         response = self.call(lambda c: c.get_prefix_response(prefix), what)
         return int(response.header.revision), list(response.kvs)
 
+    def delete_if_value(self, key: bytes, value: bytes, what: str) -> bool:
+        """Delete ``key`` only while it still holds exactly ``value``; whether it was deleted."""
+        tx = self._client.transactions
+        deleted, _ = self.call(
+            lambda c: c.transaction(compare=[tx.value(key) == value], success=[tx.delete(key)], failure=[]), what
+        )
+        return bool(deleted)
+
     def watch_prefix(self, prefix: bytes, start_revision: int, callback: Callable[[Any], None], what: str) -> Any:
         """Watch ``prefix`` from ``start_revision`` on a watcher of its own; returns it (``close()`` ends it).
 

@@ -68,7 +68,10 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._share_tcp_store = share_tcp_store
         self._layout = Layout.of(o.key_prefix, o.run_id, o.secret)
         layout = self._layout
-        self._mirror = PrefixMirror(parts.client, layout.base, lambda key: not key.startswith(layout.rounds))
+        # On a signed run, forged values are left out of the copy and deleted (records.py).
+        self._mirror = PrefixMirror(
+            parts.client, layout.base, lambda key: not key.startswith(layout.rounds), layout.forgery
+        )
         ttl = node_lease_ttl(o.keep_alive_interval, o.keep_alive_max_attempt)
         self._lease = NodeLease(parts.client, ttl, o.keep_alive_interval, self._on_lease_lost)
         self._started = False

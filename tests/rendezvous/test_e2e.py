@@ -359,6 +359,36 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
     assert result["resumed_from"] is not None, result
 
 
+def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survived(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
+) -> None:
+    """Issue 15, finding 6: with secret_file set, `etcdctl put .../rdzv/closed x` and an unsigned key in a future
+    round were obeyed (the survivor of a later node loss exited with RendezvousClosedError) or fatal (both agents
+    exited with RecordError within 3 s). Both must be ignored with a warning, and the node loss survived."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-the-test-" + run_id + "\n")
+    run_dir, steps, conf = tmp_path / "run", 80, f"secret_file={secret}"
+    job = train_args(run_dir, steps, *slow_task(0.1), "--set", "checkpoint.every_steps=5")
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
+    a.wait_for(r"\[rank 0\] INFO step 3/", 120)
+    base = f"/torchelastic/etcd3/{run_id}/rdzv/"
+    etcdctl(etcd_server.endpoint, "put", base + "rounds/000000000099/evil", "x")
+    time.sleep(3)
+    assert a.proc.poll() is None and b.proc.poll() is None, f"a forged key was fatal:\n{logs(a, b)}"
+    etcdctl(etcd_server.endpoint, "put", base + "closed", "x")
+    time.sleep(1)
+    assert etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base + "closed").strip() == ""
+    assert "evil" not in etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base)
+    victim, survivor = kill_rank0_node(a, b)[:2]
+    assert_ok(survivor, 120)
+    assert "ignored and deleted" in survivor.log(), survivor.log()[-3000:]
+    for error in ("RendezvousClosedError", "RecordError"):
+        assert error not in survivor.log(), survivor.log()[-3000:]
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 1, result
+
+
 def test_e_etcd_down_at_start_fails_fast_naming_the_endpoint(agents: AgentFactory) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
