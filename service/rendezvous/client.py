@@ -4,11 +4,12 @@ pyetcd alone makes one etcd error fatal to the torchrun agent: the agent polls
 the rendezvous every 0.1 s, and a 3-second etcd restart ended a whole job.
 This wrapper gives every call
 
-* a deadline (``read_timeout``) on each RPC, so nothing hangs;
+* a deadline (``read_timeout``) on each RPC, so nothing hangs, and a request
+  to a frozen member fails in time to be retried on the next one;
 * fail-over between endpoints;
 * retries inside a grace window that opens at the first error after a success,
   so an etcd restart or a lost cluster member does not stop the job, while an
-  etcd that was never reachable fails within ``read_timeout``;
+  etcd that was never reachable fails within ``read_timeout`` per endpoint;
 * re-authentication, since etcd's tokens do not survive a restart or a move to
   another member.
 
@@ -278,16 +279,21 @@ class EtcdClient:
         if self._outage_since is None:
             self._outage_since = time.monotonic()
 
+    @property
+    def _start_window(self) -> float:
+        """How long an agent tries at start: one request deadline per endpoint, so every member gets a try."""
+        return self.options.read_timeout * len(self.options.endpoints)
+
     def _window_left(self) -> float:
-        """Seconds left to retry: the grace window in a running job, read_timeout at start."""
+        """Seconds left to retry: the grace window in a running job, a deadline per endpoint at start."""
         now = time.monotonic()
         if not self._connected_once:
-            return self._created + self.options.read_timeout - now
+            return self._created + self._start_window - now
         start = self._outage_since if self._outage_since is not None else now
         return start + self.options.grace_period - now
 
     def _unavailable_message(self, what: str, cause: BaseException | str | None) -> str:
-        waited = self.options.grace_period if self._connected_once else self.options.read_timeout
+        waited = self.options.grace_period if self._connected_once else self._start_window
         return (
             f"etcd at {self.endpoints} is unreachable; {what} failed and was retried for "
             f"{waited:g} s (last error: {cause or 'unknown'})."

@@ -284,7 +284,7 @@ def test_garbage_lease_key_is_replaced_with_a_warning(
     lease_key = run_key("/torchelastic/etcd3", run_id, "lease")
     raw_put(etcd_server.endpoint, lease_key, garbage)
     with caplog.at_level(logging.WARNING, logger="service.rendezvous.lease"):
-        parts = parts_for(etcd_server.endpoint, run_id, read_timeout=2)
+        parts = parts_for(etcd_server.endpoint, run_id, read_timeout=1)
     try:
         lease_id = parts.lease.id()
         assert lease_id > 0 and str(lease_id).encode() != garbage

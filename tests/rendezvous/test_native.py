@@ -78,7 +78,7 @@ def together(*calls: Callable[[], Any], timeout: float = 60) -> list[Any]:
 
 
 def client_for(endpoint: str) -> EtcdClient:
-    return EtcdClient(parse_options(endpoint, "probe", {"read_timeout": 2}).client)
+    return EtcdClient(parse_options(endpoint, "probe", {"read_timeout": 1}).client)
 
 
 def wait_until(check: Callable[[], Any], timeout: float) -> Any:
