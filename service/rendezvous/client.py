@@ -108,6 +108,7 @@ class EtcdClient:
         self.options = options
         self._lock = threading.RLock()
         self._outage_since: float | None = None
+        self._outage_ended: float | None = None  # when etcd last answered again after failing
         self._connected_once = False
         self._created = time.monotonic()
         self._last_error: str | None = None
@@ -270,8 +271,20 @@ class EtcdClient:
         except Exception:  # bookkeeping only
             pass
 
+    def unreachable_within(self, seconds: float) -> bool:
+        """Whether a request went unanswered (etcd down, frozen or cut off) now or in the last ``seconds``.
+
+        The native handler asks this when its node's key vanished: if etcd was not answering meanwhile, the
+        lease expired through no act of anyone who could reach etcd (a frozen etcd expires every lease once
+        its clock runs on), and the node rejoins instead of leaving the run.
+        """
+        ended = self._outage_ended
+        return self._outage_since is not None or (ended is not None and time.monotonic() - ended <= seconds)
+
     def _mark_ok(self) -> None:
         self._connected_once = True
+        if self._outage_since is not None:
+            self._outage_ended = time.monotonic()
         self._outage_since = None
         self._last_error = None
 

@@ -201,6 +201,11 @@ class NodeLease:
     def ttl(self) -> int:
         return self._ttl
 
+    def lost_while_unreachable(self) -> bool:
+        """Whether etcd went unanswered within one TTL (and a retry) of now: its expiry is then an outage's doing."""
+        slack = self._interval + 2 * self._client.options.read_timeout
+        return self._client.unreachable_within(self._ttl + slack)
+
     def grant(self) -> int:
         """Grant the lease (once) and start refreshing it; raises ``EtcdError``."""
         if self._id is None:

@@ -423,3 +423,25 @@ def test_a_frozen_etcd_member_is_survived_without_restart(
         time.sleep(FREEZE)
         assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
     assert_completed_without_restart(run_dir, steps, a, b)
+
+
+def test_a_frozen_single_etcd_is_survived(etcd_private: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:
+    """Issue 15, finding 2: a 6 s freeze of the only etcd, inside the grace window, must not fail the job.
+
+    etcd's clock runs on while it is stopped, so on waking it expires every node lease (3 s): unlike a
+    restart, which extends the leases it reloads. The agents could not reach etcd meanwhile, so their keys'
+    loss is the stall's doing, not theirs: they rejoin (a new round, resumed from the checkpoint), as after
+    an outage, instead of exiting with RunLostError.
+    """
+    run_dir, steps = tmp_path / "run", 100
+    job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
+    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job)
+    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job)
+    a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
+    with frozen(etcd_private, FREEZE):
+        pass
+    for agent in (a, b):
+        rc = agent.wait(180)
+        assert rc == 0, f"agent {agent.local_addr} exited {rc} after a {FREEZE} s etcd freeze:\n{logs(a, b)}"
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 2, result

@@ -7,7 +7,9 @@ the 64-node round); the rules of ``rounds.py`` also get a property test.
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -229,6 +231,23 @@ def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_ser
     with pytest.raises(RunLostError):
         a.next_rendezvous()  # sticky: the lost node never joins again
     assert a.node not in b._members
+
+
+def test_keys_lost_to_a_frozen_etcd_rejoin_instead_of_failing(etcd_private: EtcdMember, make: Make) -> None:
+    """Issue 15, finding 2: a frozen etcd expires every node lease when it wakes; nobody who could reach etcd
+    did that, so the members leave their round (their workers are restarted) and rejoin, instead of RunLostError."""
+    a, b = make(etcd_private.endpoint, 2, 2), make(etcd_private.endpoint, 2, 2)
+    assert {i.world_size for i in together(a.next_rendezvous, b.next_rendezvous)} == {2}
+    assert etcd_private.proc is not None
+    os.kill(etcd_private.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(a._lease.ttl + 1.5)  # past the node leases' TTL, and etcd's 0.5 s expiry tick
+    finally:
+        os.kill(etcd_private.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: a.num_nodes_waiting() and b.num_nodes_waiting(), 15) == 1  # evicted, not lost
+    infos = together(a.next_rendezvous, b.next_rendezvous)
+    assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)], infos
+    assert a._round == b._round == 1
 
 
 def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing(
