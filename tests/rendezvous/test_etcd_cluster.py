@@ -425,7 +425,10 @@ def test_a_frozen_etcd_member_is_survived_without_restart(
     assert_completed_without_restart(run_dir, steps, a, b)
 
 
-def test_a_frozen_single_etcd_is_survived(etcd_private: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("impl", ["native", "dynamic"])
+def test_a_frozen_single_etcd_is_survived(
+    etcd_private: EtcdMember, agents: AgentFactory, tmp_path: Path, impl: str
+) -> None:
     """Issue 15, finding 2: a 6 s freeze of the only etcd, inside the grace window, must not fail the job.
 
     etcd's clock runs on while it is stopped, so on waking it expires every node lease (3 s): unlike a
@@ -435,8 +438,8 @@ def test_a_frozen_single_etcd_is_survived(etcd_private: EtcdMember, agents: Agen
     """
     run_dir, steps = tmp_path / "run", 100
     job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
-    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job)
-    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job)
+    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
+    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
     a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
     with frozen(etcd_private, FREEZE):
         pass
