@@ -4,11 +4,12 @@ pyetcd alone makes one etcd error fatal to the torchrun agent: the agent polls
 the rendezvous every 0.1 s, and a 3-second etcd restart ended a whole job.
 This wrapper gives every call
 
-* a deadline (``read_timeout``) on each RPC, so nothing hangs;
+* a deadline (``read_timeout``) on each RPC, so nothing hangs, and a request
+  to a frozen member fails in time to be retried on the next one;
 * fail-over between endpoints;
 * retries inside a grace window that opens at the first error after a success,
   so an etcd restart or a lost cluster member does not stop the job, while an
-  etcd that was never reachable fails within ``read_timeout``;
+  etcd that was never reachable fails within ``read_timeout`` per endpoint;
 * re-authentication, since etcd's tokens do not survive a restart or a move to
   another member.
 
@@ -107,6 +108,7 @@ class EtcdClient:
         self.options = options
         self._lock = threading.RLock()
         self._outage_since: float | None = None
+        self._outage_ended: float | None = None  # when etcd last answered again after failing
         self._connected_once = False
         self._created = time.monotonic()
         self._last_error: str | None = None
@@ -134,6 +136,14 @@ class EtcdClient:
         """(revision, key-values) of every key under ``prefix``, read at one revision."""
         response = self.call(lambda c: c.get_prefix_response(prefix), what)
         return int(response.header.revision), list(response.kvs)
+
+    def delete_if_value(self, key: bytes, value: bytes, what: str) -> bool:
+        """Delete ``key`` only while it still holds exactly ``value``; whether it was deleted."""
+        tx = self._client.transactions
+        deleted, _ = self.call(
+            lambda c: c.transaction(compare=[tx.value(key) == value], success=[tx.delete(key)], failure=[]), what
+        )
+        return bool(deleted)
 
     def watch_prefix(self, prefix: bytes, start_revision: int, callback: Callable[[Any], None], what: str) -> Any:
         """Watch ``prefix`` from ``start_revision`` on a watcher of its own; returns it (``close()`` ends it).
@@ -261,8 +271,20 @@ class EtcdClient:
         except Exception:  # bookkeeping only
             pass
 
+    def unreachable_within(self, seconds: float) -> bool:
+        """Whether a request went unanswered (etcd down, frozen or cut off) now or in the last ``seconds``.
+
+        The native handler asks this when its node's key vanished: if etcd was not answering meanwhile, the
+        lease expired through no act of anyone who could reach etcd (a frozen etcd expires every lease once
+        its clock runs on), and the node rejoins instead of leaving the run.
+        """
+        ended = self._outage_ended
+        return self._outage_since is not None or (ended is not None and time.monotonic() - ended <= seconds)
+
     def _mark_ok(self) -> None:
         self._connected_once = True
+        if self._outage_since is not None:
+            self._outage_ended = time.monotonic()
         self._outage_since = None
         self._last_error = None
 
@@ -270,16 +292,21 @@ class EtcdClient:
         if self._outage_since is None:
             self._outage_since = time.monotonic()
 
+    @property
+    def _start_window(self) -> float:
+        """How long an agent tries at start: one request deadline per endpoint, so every member gets a try."""
+        return self.options.read_timeout * len(self.options.endpoints)
+
     def _window_left(self) -> float:
-        """Seconds left to retry: the grace window in a running job, read_timeout at start."""
+        """Seconds left to retry: the grace window in a running job, a deadline per endpoint at start."""
         now = time.monotonic()
         if not self._connected_once:
-            return self._created + self.options.read_timeout - now
+            return self._created + self._start_window - now
         start = self._outage_since if self._outage_since is not None else now
         return start + self.options.grace_period - now
 
     def _unavailable_message(self, what: str, cause: BaseException | str | None) -> str:
-        waited = self.options.grace_period if self._connected_once else self.options.read_timeout
+        waited = self.options.grace_period if self._connected_once else self._start_window
         return (
             f"etcd at {self.endpoints} is unreachable; {what} failed and was retried for "
             f"{waited:g} s (last error: {cause or 'unknown'})."

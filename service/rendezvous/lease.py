@@ -6,6 +6,12 @@ publishes its id under ``<prefix>/<run_id>/lease`` (a key bound to that same
 lease); every agent then attaches the state key and all store keys to it and
 refreshes it. The run's keys therefore vanish ``ttl`` seconds after the last
 agent is gone, and never while one is alive.
+
+An agent that joins a published lease refreshes it at once: a rerun of a
+preempted job inherits a lease with only part of its TTL left, and waiting a
+third of the TTL for the first refresh let it expire under the new job. The
+keep-alive period follows the lease's own TTL (the job that granted it may
+have used a shorter ``ttl``), not this agent's option.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class RunLease:
         self._key = lease_key
         self._ttl = ttl
         self._id: int | None = None
+        self._granted_ttl = ttl  # the TTL etcd keeps for the lease in use (an inherited one may be shorter)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -49,6 +56,11 @@ class RunLease:
         with self._lock:
             if self._id == lease_id:
                 self._id = None
+
+    @property
+    def refresh_interval(self) -> float:
+        """Seconds between refreshes: a third of the TTL of the lease in use (at least 0.5 s)."""
+        return max(min(self._ttl, self._granted_ttl) / 3.0, 0.5)
 
     def start_keep_alive(self) -> None:
         """Refresh the lease every third of its TTL until ``stop``."""
@@ -83,6 +95,7 @@ class RunLease:
                     granted = self._client.call(lambda c: c.lease(self._ttl).id, "granting the run lease")
                 if self._publish(granted, revision):
                     lease_id, granted = granted, None
+                    self._granted_ttl = self._ttl
                     return lease_id
                 # Another agent published (or replaced) the key first: look again.
             raise EtcdError(
@@ -95,7 +108,7 @@ class RunLease:
                 self._revoke(granted)
 
     def _usable(self, value: bytes) -> int | None:
-        """The published lease id if it names a live lease; ``None`` (with a warning) if not."""
+        """The published lease id if it names a live lease, refreshed now; ``None`` (with a warning) if not."""
         key = self._key.decode(errors="replace")
         text = value.decode("ascii", errors="replace").strip()
         lease_id = int(text) if text.isdigit() else 0
@@ -106,7 +119,8 @@ class RunLease:
                 text[:64],
             )
             return None
-        if not self._is_alive(lease_id):
+        ttl = self._refresh_now(lease_id)
+        if ttl <= 0:
             log.warning(
                 "The etcd key '%s' names lease %d, which etcd does not have (expired, revoked, or "
                 "written by hand); replacing it with a new lease.",
@@ -114,6 +128,7 @@ class RunLease:
                 lease_id,
             )
             return None
+        self._granted_ttl = ttl
         return lease_id
 
     def _publish(self, granted: int, revision: int) -> bool:
@@ -132,9 +147,10 @@ class RunLease:
         value, meta = self._client.call(lambda c: c.get(self._key), "reading the run lease")
         return (None, 0) if value is None else (value, meta.mod_revision)
 
-    def _is_alive(self, lease_id: int) -> bool:
-        info = self._client.call(lambda c: c.get_lease_info(lease_id), "checking the run lease")
-        return info.TTL > 0
+    def _refresh_now(self, lease_id: int) -> int:
+        """Refresh ``lease_id`` once; its TTL in seconds after the refresh, 0 if etcd does not have it."""
+        responses = self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the run lease")
+        return int(responses[0].TTL) if responses else 0
 
     def _revoke(self, lease_id: int) -> None:
         try:
@@ -143,8 +159,7 @@ class RunLease:
             log.debug("Revoking spare lease %x failed; it will expire.", lease_id, exc_info=True)
 
     def _keep_alive_loop(self) -> None:
-        interval = max(self._ttl / 3.0, 0.5)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self.refresh_interval):
             try:
                 self._refresh_once()
             except Exception:  # the agent must not die from a missed refresh
@@ -155,8 +170,7 @@ class RunLease:
             lease_id = self._id
         if lease_id is None:
             return
-        responses = self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the run lease")
-        if not responses or responses[0].TTL <= 0:
+        if self._refresh_now(lease_id) <= 0:
             log.warning("The etcd rendezvous lease %x expired; the next write will join a new one.", lease_id)
             self.invalidate(lease_id)
 
@@ -186,6 +200,11 @@ class NodeLease:
     @property
     def ttl(self) -> int:
         return self._ttl
+
+    def lost_while_unreachable(self) -> bool:
+        """Whether etcd went unanswered within one TTL (and a retry) of now: its expiry is then an outage's doing."""
+        slack = self._interval + 2 * self._client.options.read_timeout
+        return self._client.unreachable_within(self._ttl + slack)
 
     def grant(self) -> int:
         """Grant the lease (once) and start refreshing it; raises ``EtcdError``."""

@@ -10,6 +10,11 @@ away) is still noticed: it is simply absent from the fresh read.
 
 If etcd stays unreachable beyond the client's grace window, :attr:`error`
 holds the reason and every waiter is woken to raise it.
+
+A value that ``forgery`` refuses (on a signed run: unsigned, or signed with
+another secret) is left out of the copy, as if its key were absent, and is
+deleted from etcd (only while the key still holds that value), with a
+warning: nobody obeys it, and it cannot block the run's transactions.
 """
 
 from __future__ import annotations
@@ -42,10 +47,17 @@ class Entry:
 class PrefixMirror:
     """Every key under ``prefix`` with its value, and the etcd revision the copy reflects."""
 
-    def __init__(self, client: EtcdClient, prefix: bytes, major: Callable[[bytes], bool] = lambda key: True) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: bytes,
+        major: Callable[[bytes], bool] = lambda key: True,
+        forgery: Callable[[bytes, bytes], str | None] = lambda key, value: None,
+    ) -> None:
         self._client = client
         self._prefix = prefix
         self._major = major
+        self._forgery = forgery
         lock = threading.RLock()
         self.cond = threading.Condition(lock)
         # Woken only by deletions, by keys ``major`` names, by a fresh read and by errors: waiters that need
@@ -111,7 +123,11 @@ class PrefixMirror:
                 return
             self._generation += 1
             generation = self._generation
-            self._entries = {kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs}
+            forged = [(kv.key, kv.value) for kv in kvs if self._forgery(kv.key, kv.value) is not None]
+            refused = {key for key, _ in forged}
+            self._entries = {
+                kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs if kv.key not in refused
+            }
             self.deletions += 1
             self._revision = max(self._revision, revision)
             self.cond.notify_all()
@@ -129,6 +145,27 @@ class PrefixMirror:
                 stale, self._watcher = self._watcher, watcher
         if stale is not None:
             stale.close()
+        self._purge(forged)
+
+    def _purge(self, forged: list[tuple[bytes, bytes]]) -> None:
+        """Delete forged values (each only while its key still holds it), off the watch's thread."""
+        if forged:
+            threading.Thread(target=self._delete_forged, args=(forged,), name="etcd3-rdzv-purge", daemon=True).start()
+
+    def _delete_forged(self, forged: list[tuple[bytes, bytes]]) -> None:
+        for key, value in forged:
+            name = key.decode(errors="replace")
+            log.warning(
+                "The rendezvous key %s in etcd holds a value that no agent of this signed run wrote (%s): it is "
+                "ignored and deleted. Someone without the run's secret writes under its prefix; restrict it with "
+                "etcd's authentication, and give every agent the same 'secret_file'.",
+                name,
+                self._forgery(key, value),
+            )
+            try:
+                self._client.delete_if_value(key, value, "deleting a forged rendezvous key")
+            except EtcdError as exc:
+                log.warning("Deleting the forged rendezvous key %s failed (%s); it stays ignored.", name, exc)
 
     def _on_response(self, generation: int, response: Any) -> None:
         if isinstance(response, WatchResponse):
@@ -136,11 +173,15 @@ class PrefixMirror:
                 if generation != self._generation:
                     return
                 major = False
+                forged = []
                 for event in response.events:
-                    if isinstance(event, DeleteEvent):
-                        self._entries.pop(event.key, None)
-                        self.deletions += 1
-                        major = True
+                    refused = not isinstance(event, DeleteEvent) and self._forgery(event.key, event.value) is not None
+                    if refused:
+                        forged.append((event.key, event.value))
+                    if isinstance(event, DeleteEvent) or refused:  # a forged value counts as no value
+                        if self._entries.pop(event.key, None) is not None or isinstance(event, DeleteEvent):
+                            self.deletions += 1
+                            major = True
                     else:
                         self._entries[event.key] = Entry(event.value, event.create_revision, event.mod_revision)
                         major = major or self._major(event.key)
@@ -148,6 +189,7 @@ class PrefixMirror:
                 self.cond.notify_all()
                 if major:
                     self.major_cond.notify_all()
+            self._purge(forged)
             return
         # The stream ended (an error, or None when closed): rebuild unless stopped or superseded.
         with self.cond:

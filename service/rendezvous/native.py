@@ -68,7 +68,10 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._share_tcp_store = share_tcp_store
         self._layout = Layout.of(o.key_prefix, o.run_id, o.secret)
         layout = self._layout
-        self._mirror = PrefixMirror(parts.client, layout.base, lambda key: not key.startswith(layout.rounds))
+        # On a signed run, forged values are left out of the copy and deleted (records.py).
+        self._mirror = PrefixMirror(
+            parts.client, layout.base, lambda key: not key.startswith(layout.rounds), layout.forgery
+        )
         ttl = node_lease_ttl(o.keep_alive_interval, o.keep_alive_max_attempt)
         self._lease = NodeLease(parts.client, ttl, o.keep_alive_interval, self._on_lease_lost)
         self._started = False
@@ -79,6 +82,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._seal_created = 0
         self._members: list[str] = []
         self._lost: RunLostError | None = None
+        self._evicted: str | None = None  # its key went while etcd did not answer: it rejoins (see _gone)
         self._tcp_store: dist.TCPStore | None = None
         self._bootstrap: RendezvousStoreInfo | None = None
         self.tries = 0  # seal and join transactions that lost a race, for the benchmark
@@ -105,6 +109,9 @@ class NativeRendezvousHandler(RendezvousHandler):
             self.start()
             deadline = time.monotonic() + self._parts.options.join_timeout
             self._round, self._members, self._seal_created = None, [], 0
+            if self._evicted is not None or self._lease.lost is not None:  # its old key is gone: a fresh lease
+                self._evicted, self._key = None, None
+                self._renew_lease()
             try:
                 round_no, seal = self._join_and_wait(deadline)
             except RunLostError:
@@ -155,6 +162,8 @@ class NativeRendezvousHandler(RendezvousHandler):
                 newest = latest_sealed(self._layout, entries)
                 return len(view_round(self._layout, entries, 0 if newest is None else newest + 1).joined)
             self._guard(entries)
+            if self._evicted is not None:
+                return 1  # its own key is gone: torchrun stops its workers and calls next_rendezvous
             waiting = 0
             for key, entry in entries.items():
                 parsed = self._layout.parse_node_key(key)
@@ -369,13 +378,31 @@ class NativeRendezvousHandler(RendezvousHandler):
             raise self._lose(f"the seal of its round {self._round} was deleted and written again")
         self._seal_created = seal.create_revision
         if self._key not in entries:
-            raise self._lose(f"its node key in round {self._round} vanished")
+            self._gone(f"its node key in round {self._round} vanished")
+
+    def _gone(self, what: str) -> None:
+        """As a member, its key or lease is gone (``what``); raises ``RunLostError`` unless etcd was not answering.
+
+        While etcd did not answer (an outage, a frozen etcd, a cut to it), its lease expired through nobody's
+        act: a frozen etcd expires every lease when it wakes. Then it is evicted, not lost: its workers are
+        stopped (``num_nodes_waiting`` turns positive) and it joins a later round with a fresh lease, as any
+        new node would. Lost otherwise (its lease revoked while etcd answered): it exits and never rejoins.
+        """
+        if self._lost is None and self._evicted is None and self._lease.lost_while_unreachable():
+            log.warning("The node '%s' is out of round %d: %s while etcd was not answering; it stops its workers "
+                        "and joins the next round.", self._node, self._round, what)  # fmt: skip
+            self._evicted = what
+        if self._evicted is None:
+            raise self._lose(what)
 
     def _on_lease_lost(self, reason: str) -> None:
         """The node lease is gone (``reason``), or etcd unreachable past the grace window (no reason): wake waiters."""
         with self._mirror.cond:
-            if reason and self._round is not None:  # a member: its world goes on without it
-                self._lost = self._lost or self._lost_error(reason)
+            if reason and self._round is not None:  # a member: its world goes on without it, or it rejoins
+                try:
+                    self._gone(reason)
+                except RunLostError:
+                    pass  # kept in self._lost, raised by the next call
             self._mirror.cond.notify_all()
 
     def _lose(self, what: str) -> RunLostError:
@@ -390,8 +417,8 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._check_locked()
 
     def _check_locked(self) -> None:
-        if self._lost is None and self._lease.lost is not None and self._round is not None:
-            self._lost = self._lost_error(self._lease.lost)
+        if self._lost is None and self._evicted is None and self._lease.lost is not None and self._round is not None:
+            self._gone(self._lease.lost)
         if self._lost is not None:
             raise RunLostError(str(self._lost))
         if self._mirror.error is not None:

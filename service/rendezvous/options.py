@@ -18,9 +18,13 @@ DEFAULT_PORT = 2379
 # Recovery after a lost node is about keep_alive_interval * keep_alive_max_attempt
 # + last_call_timeout plus worker start-up. torch's defaults (5 s x 3, 30 s) took
 # 15.9 s here; these give about 5 s. See docs/rendezvous.md for the trade-off.
+# read_timeout stays under the liveness timeout less one interval (checked below): a
+# keep-alive stuck on a frozen etcd member must fail, and go to the next endpoint,
+# before the node's lease runs out. With 5 s, a 4 s freeze of one member of three
+# expired every node's 3 s lease.
 DEFAULTS: dict[str, float] = {
     "ttl": 60,
-    "read_timeout": 5,
+    "read_timeout": 1,
     "grace_period": 30,
     "failed_node_retry": 1,
     "join_timeout": 600,
@@ -262,6 +266,26 @@ def _check_ranges(numbers: Mapping[str, float]) -> None:
                 f"The rendezvous option '{name}' is {_show(value)}, outside its allowed range of "
                 f"{_show(low)} to {_show(high)} {unit}; give a value in that range."
             )
+    _check_read_timeout(numbers)
+
+
+def _check_read_timeout(numbers: Mapping[str, float]) -> None:
+    """One request deadline plus one keep-alive interval must fit in the liveness timeout.
+
+    A keep-alive sent to a hung etcd member fails only after ``read_timeout``; the retry on the next
+    endpoint must still land before the node's lease (``keep_alive_interval x keep_alive_max_attempt``)
+    expires, or every node counts as dead although a healthy member was there all along.
+    """
+    interval, attempts = numbers["keep_alive_interval"], numbers["keep_alive_max_attempt"]
+    budget = interval * (attempts - 1)
+    if numbers["read_timeout"] >= budget:
+        raise ValueError(
+            f"The rendezvous option 'read_timeout' is {_show(numbers['read_timeout'])}, but it must be under "
+            f"{budget:g} s: the liveness timeout (keep_alive_interval x keep_alive_max_attempt = "
+            f"{interval * attempts:g} s) less one keep-alive interval, so that a request to a hung etcd member "
+            "fails and is retried on the next endpoint before the node's lease expires. Lower 'read_timeout', "
+            "or raise 'keep_alive_interval' or 'keep_alive_max_attempt'."
+        )
 
 
 def _show(value: float) -> str:

@@ -13,10 +13,12 @@ validated by pydantic; nothing read from etcd is unpickled. A value that does
 not validate is refused with :class:`RecordError`, naming the key.
 
 With a signing secret (``secret_file``/``secret_env``), every value is written
-as ``ddp-hmac1:<HMAC-SHA256 over key and body>:<JSON>`` and a value whose
-signature is missing or wrong is refused, so a writer without the secret
-cannot plant members or seals. Without a secret, a signed value is refused too
-(the agents disagree about the secret).
+as ``ddp-hmac1:<HMAC-SHA256 over key and body>:<JSON>``. A value whose
+signature is missing or wrong (:meth:`Layout.forgery`) was not written by an
+agent of the run: the handler ignores it, as if the key were absent, and
+deletes it, so a writer without the secret can neither plant members, seals or
+``closed`` nor stop the run with one put. Without a secret, a signed value is
+refused (the agents disagree about the secret).
 """
 
 from __future__ import annotations
@@ -104,6 +106,20 @@ class Layout:
         if self.secret is None:
             return body
         return _SIGNED + _mac(self.secret, key, body).encode() + b":" + body
+
+    def forgery(self, key: bytes, raw: bytes) -> str | None:
+        """On a signed run, why ``raw`` under ``key`` cannot be from one of its agents; else ``None``.
+
+        ``None`` on an unsigned run too: there every value is read, and :meth:`decode` refuses bad ones.
+        """
+        if self.secret is None:
+            return None
+        if not raw.startswith(_SIGNED):
+            return "it is unsigned"
+        mac, sep, body = raw[len(_SIGNED) :].partition(b":")
+        if not sep or not hmac.compare_digest(mac, _mac(self.secret, key, body).encode()):
+            return "its signature does not match this run's secret"
+        return None
 
     def decode(self, model: type[M], raw: bytes, key: bytes) -> M:
         """The record under ``key``; :class:`RecordError` if unsigned, badly signed, or not valid.

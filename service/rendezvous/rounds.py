@@ -20,12 +20,16 @@ own handler sorts its participants. Every node reads the same sealed record.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
-from .client import EtcdClient, prefix_end
+from .client import EtcdClient, EtcdError, prefix_end
 from .mirror import Entry
 from .records import Layout, NodeRecord, SealRecord
+
+log = logging.getLogger(__name__)
+_PURGES = 5  # joins refused by forged values (each then deleted) before giving up
 
 
 @dataclass(frozen=True)
@@ -119,26 +123,33 @@ def try_join(
     """Write this node's key into ``round_no`` (deleting ``leave``, its key of an earlier round) in one transaction.
 
     Returns (the revision of the write, 0 if it was refused; the round's seal value if it was sealed; the
-    closed record if the run is closed).
+    closed record if the run is closed). On a signed run, a forged seal or ``closed`` that refused the write
+    is deleted and the join tried again (``EtcdError`` if someone keeps writing them).
     """
     tx = client.raw.transactions
-    key = layout.node_key(round_no, record.node)
+    key, seal_key = layout.node_key(round_no, record.node), layout.seal_key(round_no)
     success = [tx.put(key, layout.encode(key, record), lease=lease_id)]
     if leave is not None and leave != key:
         success.insert(0, tx.delete(leave))
-    won, responses = client.call(
-        lambda c: c.transaction(
-            compare=[tx.create(layout.seal_key(round_no)) == 0, tx.version(layout.closed) == 0],
-            success=success,
-            failure=[tx.get(layout.seal_key(round_no)), tx.get(layout.closed)],
-        ),
-        "joining the rendezvous round",
+    for _ in range(_PURGES):
+        won, responses = client.call(
+            lambda c: c.transaction(
+                compare=[tx.create(seal_key) == 0, tx.version(layout.closed) == 0],
+                success=success,
+                failure=[tx.get(seal_key), tx.get(layout.closed)],
+            ),
+            "joining the rendezvous round",
+        )
+        if won:
+            return int(responses[-1].response_put.header.revision), None, None
+        seal = responses[0][0][0] if responses[0] else None
+        closed = responses[1][0][0] if responses[1] else None
+        if not (delete_forged(client, layout, layout.closed, closed) or delete_forged(client, layout, seal_key, seal)):
+            return 0, seal, closed
+    raise EtcdError(
+        f"Joining round {round_no} was refused {_PURGES} times by values that no agent of this signed run wrote; "
+        "someone keeps writing them under the run's prefix. Restrict it with etcd's authentication."
     )
-    if won:
-        return int(responses[-1].response_put.header.revision), None, None
-    seal = responses[0][0][0] if responses[0] else None
-    closed = responses[1][0][0] if responses[1] else None
-    return 0, seal, closed
 
 
 def try_seal(
@@ -174,3 +185,18 @@ def try_seal(
         "sealing the rendezvous round",
     )
     return bool(won)
+
+
+def delete_forged(client: EtcdClient, layout: Layout, key: bytes, value: bytes | None) -> bool:
+    """Whether ``value`` (read under ``key``) is forged: on a signed run, unsigned or badly signed; if so, deleted.
+
+    A forged seal or ``closed`` makes a join's transaction fail; the joiner deletes it (only while the key
+    still holds it) and tries again, instead of obeying it.
+    """
+    reason = None if value is None else layout.forgery(key, value)
+    if value is None or reason is None:
+        return False
+    log.warning("The rendezvous key %s holds a value that no agent of this signed run wrote (%s); it is ignored "
+                "and deleted.", key.decode(errors="replace"), reason)  # fmt: skip
+    client.delete_if_value(key, value, "deleting a forged rendezvous key")
+    return True

@@ -49,7 +49,7 @@ def etcd3_kit(endpoint: str, run_id: str) -> Kit:
     kit = Kit(make=lambda: None, corrupt=lambda: None)
 
     def make_with_store() -> tuple[Any, Any]:
-        parts = Etcd3Parts(parse_options(endpoint, run_id, {"read_timeout": 2}))
+        parts = Etcd3Parts(parse_options(endpoint, run_id, {"read_timeout": 1}))
         parts.connect()
         kit.closers.append(parts.close)
         return parts.backend, parts.store

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from .agents import (
     steps_trained_twice,
     train_args,
 )
-from .conftest import REPO, EtcdCluster, EtcdMember, free_port
+from .conftest import REPO, EtcdCluster, EtcdMember, etcdctl, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -311,6 +312,83 @@ def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
     print(f"{signalled} signalled: stopped at step {step}; the survivor resumed there and finished alone")
 
 
+def lease_seconds_left(endpoint: str, run_id: str) -> int:
+    """The TTL etcd has left on the run's lease (``<prefix>/<run_id>/lease``); -1 once it is gone."""
+    value = etcdctl(endpoint, "get", "--print-value-only", f"/torchelastic/etcd3/{run_id}/lease").strip()
+    if not value:
+        return -1
+    found = re.search(r"remaining\((-?\d+)s\)", etcdctl(endpoint, "lease", "timetolive", format(int(value), "x")))
+    return int(found.group(1)) if found else -1
+
+
+def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
+) -> None:
+    """Issue 15, finding 1: SIGTERM both agents, then the same command again while the run's lease still lives.
+
+    The rerun joins the inherited lease with about 3 s of its 15 s left. Before the fix its first refresh came
+    ttl / 3 = 5 s after joining: the lease expired under the running world, taking the round's seal with it,
+    and both agents died with RunLostError ("the seal of its round ... was deleted").
+    """
+    run_dir, steps, conf = tmp_path / "run", 60, "ttl=15"
+    job = train_args(run_dir, steps, *slow_task(0.1))
+    first = [agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf) for addr in ("127.0.0.2", "127.0.0.3")]
+    first[0].wait_for(r"\[rank 0\] INFO step 3/", 120)
+    for agent in first:
+        agent.sigterm()
+    for agent in first:
+        assert agent.wait(60) != 0, agent.log()[-3000:]
+    gate = tmp_path / "go"
+    rerun = [
+        agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf, gate=gate)
+        for addr in ("127.0.0.2", "127.0.0.3")
+    ]
+    for agent in rerun:
+        agent.wait_for("gated agent ready", 60)
+    deadline = time.monotonic() + 20
+    while (left := lease_seconds_left(etcd_server.endpoint, run_id)) > 3:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
+    assert left > 0, "the first job's lease expired before the rerun started: this test proves nothing"
+    gate.touch()  # the same command again, into a run whose lease has ~3 s left
+    for agent in rerun:
+        assert_ok(agent, 120)
+    assert "RunLostError" not in rerun[0].log() + rerun[1].log()
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["global_step"] == steps, result
+    assert result["resumed_from"] is not None, result
+
+
+def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survived(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
+) -> None:
+    """Issue 15, finding 6: with secret_file set, `etcdctl put .../rdzv/closed x` and an unsigned key in a future
+    round were obeyed (the survivor of a later node loss exited with RendezvousClosedError) or fatal (both agents
+    exited with RecordError within 3 s). Both must be ignored with a warning, and the node loss survived."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-the-test-" + run_id + "\n")
+    run_dir, steps, conf = tmp_path / "run", 80, f"secret_file={secret}"
+    job = train_args(run_dir, steps, *slow_task(0.1), "--set", "checkpoint.every_steps=5")
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
+    a.wait_for(r"\[rank 0\] INFO step 3/", 120)
+    base = f"/torchelastic/etcd3/{run_id}/rdzv/"
+    etcdctl(etcd_server.endpoint, "put", base + "rounds/000000000099/evil", "x")
+    time.sleep(3)
+    assert a.proc.poll() is None and b.proc.poll() is None, f"a forged key was fatal:\n{logs(a, b)}"
+    etcdctl(etcd_server.endpoint, "put", base + "closed", "x")
+    time.sleep(1)
+    assert etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base + "closed").strip() == ""
+    assert "evil" not in etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base)
+    victim, survivor = kill_rank0_node(a, b)[:2]
+    assert_ok(survivor, 120)
+    assert "ignored and deleted" in survivor.log(), survivor.log()[-3000:]
+    for error in ("RendezvousClosedError", "RecordError"):
+        assert error not in survivor.log(), survivor.log()[-3000:]
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 1, result
+
+
 def test_e_etcd_down_at_start_fails_fast_naming_the_endpoint(agents: AgentFactory) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
@@ -319,4 +397,4 @@ def test_e_etcd_down_at_start_fails_fast_naming_the_endpoint(agents: AgentFactor
     elapsed = time.monotonic() - started
     assert rc != 0
     assert "RendezvousConnectionError" in a.log() and endpoint in a.log(), a.log()[-3000:]
-    assert elapsed < 20, elapsed  # read_timeout (5 s) plus interpreter start-up
+    assert elapsed < 20, elapsed  # read_timeout (1 s) plus interpreter start-up

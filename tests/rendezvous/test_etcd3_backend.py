@@ -96,6 +96,30 @@ def test_abandoned_run_expires_while_a_kept_alive_run_lives(etcd_server: EtcdMem
         gone.close()
 
 
+def test_a_rerun_refreshes_the_run_lease_it_inherits_at_once(etcd_server: EtcdMember, run_id: str) -> None:
+    """Issue 15, finding 1: a preempted job's lease, inherited with little TTL left, must not expire under the rerun.
+
+    The first job granted a 4 s lease and was killed (no revoke); the rerun (ttl 60, so a refresh period of
+    20 s by its own option) joins that lease with about 2.5 s left. It must refresh it at once, and then
+    every third of the lease's own 4 s, or the run's keys vanish under the new job.
+    """
+    first = parts_for(etcd_server.endpoint, run_id, ttl=4)
+    first.backend.set_state(S("first job"))
+    lease_id = first.lease.id()
+    first.close()  # preempted: the keep-alive stops, nothing is revoked
+    time.sleep(1.5)
+    rerun = parts_for(etcd_server.endpoint, run_id, ttl=60)
+    try:
+        assert rerun.lease.id() == lease_id, "the rerun did not join the published lease"
+        info = rerun.client.call(lambda c: c.get_lease_info(lease_id), "read")
+        assert info.TTL >= 3, f"the inherited lease was not refreshed when joined: {info.TTL} s left"
+        time.sleep(5)  # longer than the inherited lease's TTL
+        assert rerun.client.call(lambda c: c.get_lease_info(lease_id), "read").TTL > 0, "the lease expired"
+        assert rerun.backend.get_state()[0] == S("first job")
+    finally:
+        rerun.close()
+
+
 @pytest.mark.parametrize("impl", ["native", "dynamic"])
 def test_reusing_a_closed_run_id_raises_closed_error(etcd_server: EtcdMember, run_id: str, impl: str) -> None:
     def params() -> RendezvousParameters:
@@ -260,7 +284,7 @@ def test_garbage_lease_key_is_replaced_with_a_warning(
     lease_key = run_key("/torchelastic/etcd3", run_id, "lease")
     raw_put(etcd_server.endpoint, lease_key, garbage)
     with caplog.at_level(logging.WARNING, logger="service.rendezvous.lease"):
-        parts = parts_for(etcd_server.endpoint, run_id, read_timeout=2)
+        parts = parts_for(etcd_server.endpoint, run_id, read_timeout=1)
     try:
         lease_id = parts.lease.id()
         assert lease_id > 0 and str(lease_id).encode() != garbage

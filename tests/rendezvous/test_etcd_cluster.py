@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from .agents import RESTART_MARK, Agent, train_args
-from .conftest import ETCD_LIMITS, EtcdCluster, etcdctl, wait_healthy
+from .conftest import ETCD_LIMITS, EtcdCluster, EtcdMember, etcdctl, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -380,3 +382,69 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
             kill_tree(agent.proc.pid)
         kill_tree(etcd.pid)
         etcd.wait(timeout=10)
+
+
+# -- a frozen etcd (kill -STOP): a stall, not an outage ------------------------------------------------------
+
+
+class frozen:  # noqa: N801  # a context manager, named for how it reads: `with frozen(member, 6):`
+    """``kill -STOP`` an etcd member for ``seconds``, then ``kill -CONT`` (also if the test fails meanwhile)."""
+
+    def __init__(self, member: EtcdMember, seconds: float) -> None:
+        assert member.proc is not None
+        self.pid, self.seconds = member.proc.pid, seconds
+
+    def __enter__(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self.stopped = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(max(0.0, self.stopped + self.seconds - time.monotonic()))
+        os.kill(self.pid, signal.SIGCONT)
+
+
+FREEZE = 6
+
+
+def test_a_frozen_etcd_member_is_survived_without_restart(
+    etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path
+) -> None:
+    """Issue 15, finding 2: the member the agents use first is a follower and freezes for 6 s.
+
+    With the old default read_timeout of 5 s, a keep-alive sent to it failed only after the 3 s node lease had
+    run out: every agent died with RunLostError. Now it fails after 1 s and is retried on the next member.
+    """
+    make_leader(etcd_cluster, 1)
+    run_dir, steps = tmp_path / "run", 100
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
+    a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
+    with frozen(etcd_cluster.members[0], FREEZE):
+        time.sleep(FREEZE)
+        assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    assert_completed_without_restart(run_dir, steps, a, b)
+
+
+@pytest.mark.parametrize("impl", ["native", "dynamic"])
+def test_a_frozen_single_etcd_is_survived(
+    etcd_private: EtcdMember, agents: AgentFactory, tmp_path: Path, impl: str
+) -> None:
+    """Issue 15, finding 2: a 6 s freeze of the only etcd, inside the grace window, must not fail the job.
+
+    etcd's clock runs on while it is stopped, so on waking it expires every node lease (3 s): unlike a
+    restart, which extends the leases it reloads. The agents could not reach etcd meanwhile, so their keys'
+    loss is the stall's doing, not theirs: they rejoin (a new round, resumed from the checkpoint), as after
+    an outage, instead of exiting with RunLostError.
+    """
+    run_dir, steps = tmp_path / "run", 100
+    job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
+    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
+    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
+    a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
+    with frozen(etcd_private, FREEZE):
+        pass
+    for agent in (a, b):
+        rc = agent.wait(180)
+        assert rc == 0, f"agent {agent.local_addr} exited {rc} after a {FREEZE} s etcd freeze:\n{logs(a, b)}"
+    result = summary(run_dir)
+    assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 2, result

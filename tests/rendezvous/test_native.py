@@ -7,7 +7,9 @@ the 64-node round); the rules of ``rounds.py`` also get a property test.
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -78,7 +80,7 @@ def together(*calls: Callable[[], Any], timeout: float = 60) -> list[Any]:
 
 
 def client_for(endpoint: str) -> EtcdClient:
-    return EtcdClient(parse_options(endpoint, "probe", {"read_timeout": 2}).client)
+    return EtcdClient(parse_options(endpoint, "probe", {"read_timeout": 1}).client)
 
 
 def wait_until(check: Callable[[], Any], timeout: float) -> Any:
@@ -231,6 +233,23 @@ def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_ser
     assert a.node not in b._members
 
 
+def test_keys_lost_to_a_frozen_etcd_rejoin_instead_of_failing(etcd_private: EtcdMember, make: Make) -> None:
+    """Issue 15, finding 2: a frozen etcd expires every node lease when it wakes; nobody who could reach etcd
+    did that, so the members leave their round (their workers are restarted) and rejoin, instead of RunLostError."""
+    a, b = make(etcd_private.endpoint, 2, 2), make(etcd_private.endpoint, 2, 2)
+    assert {i.world_size for i in together(a.next_rendezvous, b.next_rendezvous)} == {2}
+    assert etcd_private.proc is not None
+    os.kill(etcd_private.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(a._lease.ttl + 1.5)  # past the node leases' TTL, and etcd's 0.5 s expiry tick
+    finally:
+        os.kill(etcd_private.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: a.num_nodes_waiting() and b.num_nodes_waiting(), 15) == 1  # evicted, not lost
+    infos = together(a.next_rendezvous, b.next_rendezvous)
+    assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)], infos
+    assert a._round == b._round == 1
+
+
 def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing(
     etcd_server: EtcdMember, make: Make
 ) -> None:
@@ -273,24 +292,17 @@ def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(
 
 
 # -- nothing from etcd is unpickled or trusted unsigned ------------------------------------------------
-@pytest.mark.parametrize("signed", [False, True], ids=["no-secret", "secret"])
 def test_planted_values_are_refused_and_nothing_runs(
-    etcd_server: EtcdMember, make: Make, run_id: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, signed: bool
+    etcd_server: EtcdMember, make: Make, run_id: str, tmp_path: Any
 ) -> None:
+    """Without a secret every value is read, so a pickle planted as a member is refused by name, never run."""
     marker = tmp_path / "pwned"
-    monkeypatch.setenv("S", SECRET)
-    handler = make(etcd_server.endpoint, 1, 2, **({"secret_env": "S"} if signed else {}))
+    handler = make(etcd_server.endpoint, 1, 2)
     handler.next_rendezvous()
-    layout = Layout.of(PREFIX, run_id)
-    planted = layout.node_key(1, "intruder")
-    value = (
-        NodeRecord(node="intruder", addr="evil", pid=1, round=1).model_dump_json().encode()  # unsigned but valid
-        if signed
-        else pickle.dumps(_Touch(str(marker)))
-    )
+    planted = Layout.of(PREFIX, run_id).node_key(1, "intruder")
     client = client_for(etcd_server.endpoint)
     try:
-        client.call(lambda c: c.put(planted, value), "planting")
+        client.call(lambda c: c.put(planted, pickle.dumps(_Touch(str(marker)))), "planting")
         deadline = time.monotonic() + 5
         with pytest.raises(RendezvousStateError) as info:
             while time.monotonic() < deadline:  # until the watch brings the planted key
@@ -298,8 +310,68 @@ def test_planted_values_are_refused_and_nothing_runs(
                 time.sleep(0.05)
     finally:
         client.close()
-    assert planted.decode() in str(info.value) and not marker.exists()
-    assert ("unsigned value" if signed else "did not write") in str(info.value)
+    assert planted.decode() in str(info.value) and "did not write" in str(info.value) and not marker.exists()
+
+
+def _forgeries(run_id: str) -> dict[bytes, bytes]:
+    """What a writer without the run's secret can put: the finding's two, a seal, and a wrongly signed member."""
+    layout = Layout.of(PREFIX, run_id)
+    other = Layout.of(PREFIX, run_id, b"another secret, 16+ chars")
+    intruder = layout.node_key(1, "intruder")
+    return {
+        layout.closed: b"x",  # unsigned: once obeyed as "the job has finished"
+        layout.rounds + b"000000000099/evil": b"x",  # unsigned, no lease: once fatal (RecordError) within 3 s
+        layout.seal_key(99): SealRecord(round=99, members=["evil"], addrs=["evil"], sealed_by="evil")
+        .model_dump_json()
+        .encode(),
+        intruder: other.encode(intruder, NodeRecord(node="intruder", addr="evil", pid=1, round=1)),
+    }
+
+
+def test_forged_values_on_a_signed_run_are_ignored_deleted_and_never_fatal(
+    etcd_server: EtcdMember, make: Make, run_id: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Issue 15, finding 6: on a signed run an unsigned or wrongly signed value is neither obeyed nor fatal."""
+    monkeypatch.setenv("S", SECRET)
+    a, b = make(etcd_server.endpoint, 1, 2, secret_env="S"), make(etcd_server.endpoint, 1, 2, secret_env="S")
+    assert {i.world_size for i in together(a.next_rendezvous, b.next_rendezvous)} == {2}
+    forged = _forgeries(run_id)
+    client = client_for(etcd_server.endpoint)
+    try:
+        for key, value in forged.items():
+            client.call(lambda c, k=key, v=value: c.put(k, v), "planting")
+        for _ in range(20):  # nothing is obeyed and nothing is fatal: no member waits, the run is open
+            assert (a.num_nodes_waiting(), b.num_nodes_waiting(), a.is_closed()) == (0, 0, False)
+            time.sleep(0.05)
+        gone = lambda: all(client.call(lambda c, k=k: c.get(k), "read")[0] is None for k in forged)  # noqa: E731
+        wait_until(gone, 5)  # every agent that sees a forged value deletes it: it cannot poison the run id
+        for key, value in forged.items():  # and while a forged value is there, it is ignored the same way
+            client.call(lambda c, k=key, v=value: c.put(k, v), "planting")
+        # A node is lost: b re-forms alone, neither stopped by the forged `closed` nor sent on to round 100.
+        client.call(lambda c: c.revoke_lease(a._lease._id), "revoking")
+        assert wait_until(b.num_nodes_waiting, 5) >= 1
+        info = b.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1) and b._round == 1
+    finally:
+        client.close()
+    assert "ignored and deleted" in caplog.text and "unsigned" in caplog.text and "does not match" in caplog.text
+
+
+def test_a_join_refused_by_a_forged_seal_or_closed_deletes_it_and_joins(etcd_server: EtcdMember, run_id: str) -> None:
+    client = client_for(etcd_server.endpoint)
+    layout = Layout.of(PREFIX, run_id, SECRET.encode())
+    lease = NodeLease(client, 10, 3, lambda reason: None)
+    try:
+        for key in (layout.closed, layout.seal_key(0)):
+            client.call(lambda c, k=key: c.put(k, b'{"closed_by": "evil"}'), "planting")
+        written, seal, closed = try_join(
+            client, layout, 0, NodeRecord(node="a", addr="x", pid=1, round=0), lease.grant(), None
+        )
+        assert written > 0 and (seal, closed) == (None, None)
+        assert client.call(lambda c: c.get(layout.closed), "read")[0] is None
+    finally:
+        lease.revoke()
+        client.close()
 
 
 class _Touch:

@@ -23,7 +23,7 @@ def test_defaults_recover_within_six_seconds() -> None:
     o = parse_options("h:2379", "job", {"timeout": "900"}, {})
     # Node loss is detected after interval x attempts, then the last call waits.
     assert o.keep_alive_interval * o.keep_alive_max_attempt + o.last_call_timeout <= 4
-    assert (o.ttl, o.client.read_timeout, o.client.grace_period) == (60, 5, 30)
+    assert (o.ttl, o.client.read_timeout, o.client.grace_period) == (60, 1, 30)
     assert o.secret is None and o.client.user is None
 
 
@@ -157,13 +157,41 @@ def test_numeric_bounds_name_option_value_and_range(option: str, value: str, mes
     assert "password" not in text
 
 
+# The bounds of read_timeout and keep_alive_interval are admitted with a consistent other one (see below).
+CONSISTENT = {"read_timeout": {"keep_alive_interval": "3600"}, "keep_alive_interval": {"read_timeout": "0.1"}}
+
+
 def test_bounds_cover_every_number_and_admit_the_defaults() -> None:
     assert set(BOUNDS) == set(DEFAULTS)
     assert {option for option, _, _ in BAD_NUMBERS} == set(DEFAULTS)
     for name, (low, high, _) in BOUNDS.items():
-        parse_options("h", "job", {name: str(low)}, {})
-        parse_options("h", "job", {name: str(high)}, {})
+        parse_options("h", "job", {name: str(low), **CONSISTENT.get(name, {})}, {})
+        parse_options("h", "job", {name: str(high), **CONSISTENT.get(name, {})}, {})
         assert low <= DEFAULTS[name] <= high
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"read_timeout": "5"},  # the old default: a keep-alive stuck on a frozen member outlived the 3 s lease
+        {"read_timeout": "2"},  # 1 s interval + 2 s deadline = the whole 3 s lease: no time left to fail over
+        {"keep_alive_interval": "0.5", "read_timeout": "1"},
+    ],
+)
+def test_a_request_deadline_that_outlives_the_node_lease_is_refused(conf: dict[str, str]) -> None:
+    """Issue 15, finding 2: the request deadline must leave time to fail over before the liveness timeout."""
+    with pytest.raises(ValueError) as info:
+        parse_options("h1,h2", "job", conf, {})
+    text = str(info.value)
+    assert f"'read_timeout' is {conf['read_timeout']}, but it must be under" in text, text
+    assert "Lower 'read_timeout', or raise 'keep_alive_interval' or 'keep_alive_max_attempt'." in text, text
+
+
+def test_the_defaults_leave_time_to_fail_over_within_the_node_lease() -> None:
+    o = parse_options("h1,h2,h3", "job", {}, {})
+    assert o.client.read_timeout + o.keep_alive_interval < o.keep_alive_interval * o.keep_alive_max_attempt
+    slow = parse_options("h", "job", {"read_timeout": "5", "keep_alive_interval": "3", "keep_alive_max_attempt": "10"})
+    assert slow.client.read_timeout == 5  # a long deadline is fine with a long enough liveness timeout
 
 
 def test_scrub_removes_only_the_named_secret_variables() -> None:

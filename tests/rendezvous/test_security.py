@@ -48,7 +48,7 @@ USER = "ddp"
 PASSWORD = "pw-" + uuid.uuid4().hex
 PREFIX = "/torchelastic/etcd3"  # the plugin's default key_prefix
 # Failures must come within read_timeout plus start-up, never as a hang.
-FAST = "read_timeout=2"
+FAST = "read_timeout=1"
 FAIL_WITHIN = 6.0
 
 PartsFactory = Callable[..., Etcd3Parts]
