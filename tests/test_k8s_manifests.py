@@ -329,7 +329,7 @@ def test_grace_chain_outlasts_torchruns_shutdown_which_outlasts_a_checkpoint_sav
             (c,) = pod["spec"]["containers"]
             shutdown = int(arg(c, "--shutdown-timeout") or 0)
             grace = pod["spec"]["terminationGracePeriodSeconds"]
-            # The agent needs a few seconds after its workers: closing the rendezvous (etcd's read_timeout, 1 s by default).
+            # The agent needs a few seconds after its workers: closing the rendezvous (etcd's read_timeout, 1 s).
             assert grace >= shutdown + 30 and shutdown >= budget + 30 and budget > 0, (where, grace, shutdown, budget)
 
 
