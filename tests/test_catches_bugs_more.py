@@ -23,13 +23,18 @@ Pure logic (2, 3, 5, 7) runs on real files and the real loop functions in-proces
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, child_env, kill_group, read_summary, run_job
 from torch import nn
 
 from service import checkpoint_io
@@ -191,3 +196,134 @@ def test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state(tmp_path: Pat
             now = after[index][key]
             same = torch.equal(now, value) if isinstance(value, torch.Tensor) else now == value
             assert same, f"the skipped step changed the optimizer's {key} of parameter {index}: {value} -> {now}"
+
+
+# -- 1. every step, every rank its own RNG seed ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_every_step_draws_from_its_own_seed_per_rank(tmp_path: Path) -> None:
+    """Each rank's first draw in step k is torch's first draw from ``step_seed(seed, k - 1, rank)``; ranks differ."""
+    from service.train import step_seed
+
+    seed, steps, record = 11, 4, tmp_path / "record"
+    run_job(tmp_path / "run", 2, "task=probe_tasks:recording_draws", f"task_options.record_dir={record}",
+            "task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=8",
+            "train.batch_size=4", f"train.max_steps={steps}", f"seed={seed}", "data.num_workers=0")  # fmt: skip
+    draws = {rank: [json.loads(line) for line in (record / f"draws-rank{rank}.txt").read_text().splitlines()]
+             for rank in (0, 1)}  # fmt: skip
+    for rank, seen in draws.items():
+        assert len(seen) == steps, f"rank {rank} recorded {len(seen)} training forwards for {steps} steps"
+        for step, draw in enumerate(seen):
+            expected = torch.rand(4, generator=torch.Generator().manual_seed(step_seed(seed, step, rank))).tolist()
+            assert draw == expected, (
+                f"rank {rank}, step {step + 1}: drew {draw}, but step_seed({seed}, {step}, {rank}) gives {expected}"
+            )
+    for step, (first, second) in enumerate(zip(draws[0], draws[1], strict=True), 1):
+        assert first != second, f"step {step}: both ranks drew {first} (the same dropout masks on every rank)"
+
+
+# -- 4. nobody leaves before rank 0's preemption save is on disk ------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_no_rank_reports_preempted_before_rank0_saved_that_step(tmp_path: Path) -> None:
+    """SIGTERM to the agent while rank 0's save takes 3 s: each rank's "preempted" line comes after the save."""
+    from test_resume_e2e import SLOW, finish, start
+
+    run_dir = tmp_path / "run"
+    proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=300", "train.epochs=100", "task_options.sleep=0.02",
+                          "task_options.slow_state_seconds=3")  # fmt: skip
+    try:
+        watcher.wait_for(r"\[rank 1\] INFO step 3/", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, watcher) != 0
+    finally:
+        kill_group(proc)
+    text = watcher.text()
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted", text[-3000:]
+    step = summary["stopped_at_step"]
+    assert "slow state_dict begins" in text, text[-3000:]
+    saved = watcher.wait_for(rf"\[rank 0\] INFO checkpoint saved: .*step-{step:08d}\.pt", timeout=1)
+    for rank in (0, 1):
+        left = watcher.wait_for(rf"\[rank {rank}\] WARNING preempted: stopped at step {step} ", timeout=1)
+        assert left > saved, f"rank {rank} reported preempted {saved - left:.2f} s before rank 0 saved step {step}"
+    manifest, _ = read_verified(run_dir / "checkpoints", step)  # complete: manifest, size and sha256 agree
+    assert manifest.step == step
+
+
+# -- 8. an orphan dies by SIGKILL, with no preemption path ------------------------------------------------------
+
+_ORPHAN = r"""
+import os, sys, time
+from pathlib import Path
+
+import torch
+
+from service import orphans
+from service.checkpoint_io import write_checkpoint
+from service.env import detect_world
+from service.logs import configure_logging
+from service.preemption import Preemption
+
+orphans.ParentWatchdog.start = lambda self: self  # the watchdog off: only the parent-death signal is left
+world = detect_world(os.environ)
+configure_logging(world.rank)
+preemption = Preemption(lambda local, every: (local, 1))  # a SIGTERM would take the preemption path
+orphans.guard_against_orphaning(world)
+Path(sys.argv[2]).write_text("armed")
+while not preemption.requested:
+    time.sleep(0.01)
+write_checkpoint(Path(sys.argv[1]), 1, {"format": 1, "model": {"w": torch.ones(4)}}, "0" * 64)
+print("checkpoint written after the signal", file=sys.stderr, flush=True)
+sys.exit(75)
+"""
+
+_PARENT = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], stderr=open(sys.argv[4], "w"))
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+# A subreaper: the orphan is reparented to it, so it can read how the orphan died.
+_REAPER = r"""
+import ctypes, json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+signal.alarm(60)
+parent = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE, text=True)
+pid = int(parent.stdout.readline())
+while not Path(sys.argv[4]).exists():
+    time.sleep(0.01)
+parent.kill()
+parent.wait()
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                  "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}), flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_an_orphan_dies_by_sigkill_without_the_watchdog_and_saves_nothing(tmp_path: Path) -> None:
+    """A torchrun worker's guard with the watchdog off; its parent SIGKILLed: the kernel's SIGKILL ends it."""
+    checkpoints, armed, log = tmp_path / "checkpoints", tmp_path / "armed", tmp_path / "child.log"
+    env = child_env(TORCHELASTIC_RUN_ID="orphan-test", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                    LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")  # fmt: skip
+    cmd = [sys.executable, "-c", _REAPER, _PARENT, _ORPHAN, str(checkpoints), str(armed), str(log)]
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=90)
+        finally:
+            kill_group(proc)
+    assert proc.returncode == 0, output[-3000:]
+    outcome = json.loads(output.strip().splitlines()[-1])
+    child_log = log.read_text()
+    assert outcome == {"signal": int(signal.SIGKILL), "exit": None}, (
+        f"the orphan ended with {outcome}, not by SIGKILL; its log:\n{child_log[-3000:]}"
+    )
+    assert "SIGTERM received" not in child_log, child_log[-3000:]
+    assert not checkpoints.exists() or not any(checkpoints.iterdir()), sorted(checkpoints.iterdir())
