@@ -11,9 +11,11 @@ Each test was watched failing once against its bug, planted alone into the tree,
    → ``test_no_rank_reports_preempted_before_rank0_saved_that_step``
 5. loss weights applied only when accumulating
    → ``test_ranks_average_to_the_one_rank_gradient_over_a_whole_uneven_epoch``
-6. the node lease TTL longer than keep_alive_interval × keep_alive_max_attempt
-   → ``tests/rendezvous/test_native.py::test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing``
-7. ``train.nonfinite: skip`` still stepping the optimizer       → ``test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state``
+6. the node lease TTL longer than keep_alive_interval × keep_alive_max_attempt (it needs the etcd fixtures)
+   → tests/rendezvous/test_native.py::
+     ``test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing``
+7. ``train.nonfinite: skip`` still stepping the optimizer
+   → ``test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state``
 8. the parent-death signal sent as SIGTERM
    → ``test_an_orphan_dies_by_sigkill_without_the_watchdog_and_saves_nothing``
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -212,15 +215,15 @@ def test_every_step_draws_from_its_own_seed_per_rank(tmp_path: Path) -> None:
             "train.batch_size=4", f"train.max_steps={steps}", f"seed={seed}", "data.num_workers=0")  # fmt: skip
     draws = {rank: [json.loads(line) for line in (record / f"draws-rank{rank}.txt").read_text().splitlines()]
              for rank in (0, 1)}  # fmt: skip
+    assert all(len(seen) == steps for seen in draws.values()), f"{steps} steps, one forward each: {draws}"
+    for step, (first, second) in enumerate(zip(draws[0], draws[1], strict=True), 1):
+        assert first != second, f"step {step}: both ranks drew {first} (the same dropout masks on every rank)"
     for rank, seen in draws.items():
-        assert len(seen) == steps, f"rank {rank} recorded {len(seen)} training forwards for {steps} steps"
         for step, draw in enumerate(seen):
             expected = torch.rand(4, generator=torch.Generator().manual_seed(step_seed(seed, step, rank))).tolist()
             assert draw == expected, (
                 f"rank {rank}, step {step + 1}: drew {draw}, but step_seed({seed}, {step}, {rank}) gives {expected}"
             )
-    for step, (first, second) in enumerate(zip(draws[0], draws[1], strict=True), 1):
-        assert first != second, f"step {step}: both ranks drew {first} (the same dropout masks on every rank)"
 
 
 # -- 4. nobody leaves before rank 0's preemption save is on disk ------------------------------------------------
@@ -245,10 +248,19 @@ def test_no_rank_reports_preempted_before_rank0_saved_that_step(tmp_path: Path) 
     assert summary["status"] == "preempted", text[-3000:]
     step = summary["stopped_at_step"]
     assert "slow state_dict begins" in text, text[-3000:]
-    saved = watcher.wait_for(rf"\[rank 0\] INFO checkpoint saved: .*step-{step:08d}\.pt", timeout=1)
+    lines = [line for _, line in watcher.lines]  # in the order the workers wrote them to the shared pipe
+
+    def first(pattern: str) -> int:
+        found = [index for index, line in enumerate(lines) if re.search(pattern, line)]
+        assert found, f"no line matching {pattern!r}:\n{text[-4000:]}"
+        return found[0]
+
+    saved = first(rf"\[rank 0\] INFO checkpoint saved: .*step-{step:08d}\.pt")
     for rank in (0, 1):
-        left = watcher.wait_for(rf"\[rank {rank}\] WARNING preempted: stopped at step {step} ", timeout=1)
-        assert left > saved, f"rank {rank} reported preempted {saved - left:.2f} s before rank 0 saved step {step}"
+        left = first(rf"\[rank {rank}\] WARNING preempted: stopped at step {step} ")
+        assert left > saved, (
+            f"rank {rank} reported preempted before rank 0 saved step {step}:\n{''.join(lines[left : saved + 1])}"
+        )
     manifest, _ = read_verified(run_dir / "checkpoints", step)  # complete: manifest, size and sha256 agree
     assert manifest.step == step
 
