@@ -7,6 +7,7 @@ the 64-node round); the rules of ``rounds.py`` also get a property test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
@@ -255,17 +256,27 @@ def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_no
 ) -> None:
     a, b = make(etcd_server.endpoint, 1, 2), make(etcd_server.endpoint, 1, 2)
     together(a.next_rendezvous, b.next_rendezvous)
+    # The liveness timeout is keep_alive_interval x keep_alive_max_attempt (whole seconds, etcd's 2 s at least),
+    # read from the options, not the handler's own TTL: a lease granted 3 times too long must fail here.
+    options = a._parts.options
+    ttl = max(2, math.ceil(options.keep_alive_interval * options.keep_alive_max_attempt))
     client = client_for(etcd_server.endpoint)
     try:
+        granted = int(client.call(lambda c: c.get_lease_info(a._lease._id), "reading the node lease").grantedTTL)
+        assert granted == ttl, (
+            f"the node lease was granted {granted} s; keep_alive_interval {options.keep_alive_interval} x "
+            f"keep_alive_max_attempt {options.keep_alive_max_attempt} makes {ttl} s"
+        )
         before = client.list_prefix(b"/nothing/", "revision")[0]
-        time.sleep(3.5)  # more than a lease TTL of keep-alives
+        time.sleep(ttl + 0.5)  # more than a lease TTL of keep-alives
         assert client.list_prefix(b"/nothing/", "revision")[0] == before  # keep-alives write no revision
     finally:
         client.close()
     a._lease._stop.set()  # a dies: its keep-alives stop, nothing is cleaned up
     died = time.monotonic()
-    wait_until(lambda: b.num_nodes_waiting() >= 1, 10)
-    assert time.monotonic() - died <= a._lease.ttl + 1.5
+    wait_until(lambda: b.num_nodes_waiting() >= 1, ttl + 10)
+    seen = time.monotonic() - died
+    assert seen <= ttl + 1.5, f"the departure was seen {seen:.2f} s after the node died; its lease TTL is {ttl} s"
 
 
 def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(

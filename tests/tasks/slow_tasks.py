@@ -6,6 +6,9 @@ prove that the step's randomness replays exactly. ``task_options.long_step_at``
 (a training forward count, from 1) makes that one forward sleep
 ``task_options.long_step_seconds`` (5 s) on the ranks in ``task_options.long_step_ranks``
 (all by default), and prints ``long step begins`` to stderr as it starts.
+``task_options.slow_state_seconds`` makes rank 0's first ``state_dict()`` after training began (its
+checkpoint's) sleep that long, printing ``slow state_dict begins`` to stderr: a slow save, without a large state.
+(Every rank calls ``state_dict()`` for the summary's digest; only ``RANK`` 0's sleeps.)
 ``task_options.tokens_per_sample`` gives the task a ``tokens_fn`` counting that many per sample.
 ``task_options.slow_rank`` makes one rank a straggler: the worker whose ``RANK`` (as torchrun
 sets it; a test task may read it) equals it sleeps ``task_options.slow_rank_sleep`` seconds more
@@ -34,6 +37,15 @@ class Sleepy(nn.Module):
         self.long_step_at = long_step_at
         self.long_step_seconds = long_step_seconds
         self.forwards = 0
+        self.slow_state_seconds = 0.0
+        self._register_state_dict_hook(Sleepy._slow_state)
+
+    @staticmethod
+    def _slow_state(module: Sleepy, state: dict, prefix: str, local_metadata: dict) -> None:
+        if module.slow_state_seconds and module.forwards:
+            seconds, module.slow_state_seconds = module.slow_state_seconds, 0.0
+            print(f"slow state_dict begins: {seconds} s", file=sys.stderr, flush=True)
+            time.sleep(seconds)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training:
@@ -49,7 +61,7 @@ class Sleepy(nn.Module):
 def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
     own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
-           "slow_rank", "slow_rank_sleep")  # fmt: skip
+           "slow_rank", "slow_rank_sleep", "slow_state_seconds")  # fmt: skip
     options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
     ranks = spec.option("long_step_ranks", None)
@@ -62,6 +74,8 @@ def slow_shapes(spec: TaskSpec) -> Task:
         seconds += float(spec.option("slow_rank_sleep", 0.0))
     model = Sleepy(task.model, seconds, float(spec.option("dropout", 0.0)),
                    long_step_at, float(spec.option("long_step_seconds", 5.0)))  # fmt: skip
+    if os.environ.get("RANK", "0") == "0":
+        model.slow_state_seconds = float(spec.option("slow_state_seconds", 0.0))
     per_sample = int(spec.option("tokens_per_sample", 0))
     return Task(model=model, train_set=task.train_set, eval_set=task.eval_set, loss_fn=task.loss_fn,
                 metric_fn=task.metric_fn, metric_name=task.metric_name,
