@@ -3,7 +3,7 @@
 Not a test. One invocation trains a plain model of ``--layers`` Linear(4096,
 4096) (fp32, 64 MiB each; with SGD momentum the checkpoint is twice the
 parameters) on a tiny batch, and alternates sync and async rounds of
-``service.checkpoint.Rank0Checkpointer`` after one untimed warm-up round each
+``service.state.checkpoint.Rank0Checkpointer`` after one untimed warm-up round each
 (the first async save allocates its staging buffers). Per round:
 
 * sync:  plain steps, then the step that calls ``maybe_save`` with
@@ -47,9 +47,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service.checkpoint import Rank0Checkpointer, StagingBuffer  # noqa: E402
-from service.checkpoint_io import FORMAT, load_state, scan  # noqa: E402
-from service.resume import _broadcast_bytes, rng_state  # noqa: E402
+from service.state.checkpoint import Rank0Checkpointer, StagingBuffer  # noqa: E402
+from service.state.checkpoint_io import FORMAT, load_state, scan  # noqa: E402
+from service.state.resume import _broadcast_bytes, rng_state  # noqa: E402
 
 CONFIG_HASH = "0" * 64
 WIDTH = 4096
@@ -85,7 +85,7 @@ class Trainer:
         self.global_step += 1
 
     def state(self) -> dict[str, Any]:
-        """What ``service.train.checkpoint_state`` returns, for this model: loadable by ``load_state``."""
+        """What ``service.loop.train.checkpoint_state`` returns, for this model: loadable by ``load_state``."""
         return {
             "format": FORMAT,
             "model": self.model.state_dict(),
@@ -104,7 +104,7 @@ def timed_step(trainer: Trainer) -> float:
 
 
 def save_step(trainer: Trainer, ckpt: Rank0Checkpointer) -> tuple[float, float]:
-    """A step with ``maybe_save`` at its end, as in ``service.train.train_epoch``; (step, maybe_save) seconds."""
+    """A step with ``maybe_save`` at its end, as in ``service.loop.train.train_epoch``; (step, maybe_save) seconds."""
     started = time.perf_counter()
     trainer.step()
     saving = time.perf_counter()
@@ -275,8 +275,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="Linear(4096,4096) layers, 64 MiB each (default 2)")
     parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary checkpoint directory")
     args = parser.parse_args()
-    logging.getLogger("service.checkpoint").setLevel(logging.WARNING)
-    logging.getLogger("service.checkpoint_io").setLevel(logging.WARNING)
+    logging.getLogger("service.state.checkpoint").setLevel(logging.WARNING)
+    logging.getLogger("service.state.checkpoint_io").setLevel(logging.WARNING)
 
     trainer = Trainer(args.layers)
     print(f"model: {args.layers} x Linear({WIDTH},{WIDTH}), {trainer.param_bytes / MB:.0f} MB of fp32 parameters, "

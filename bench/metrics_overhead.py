@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
 TRAIN_SIZE = 512
 
 
@@ -41,9 +42,9 @@ def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
     Writes rank 0's seconds per step of each epoch of each job.
     """
     from service.config import load_config
-    from service.distributed import distributed
-    from service.env import detect_world
-    from service.train import build_job
+    from service.loop.train import build_job
+    from service.world.distributed import distributed
+    from service.world.env import detect_world
 
     world = detect_world(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,8 +71,9 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
     """Seconds per step of each epoch of each job; the jobs die with this frame, before the process group."""
     import torch.distributed as dist
 
-    from service.metrics import PrometheusSink
-    from service.train import LoopState, _Window, train_epoch
+    from service.loop.job import LoopState
+    from service.loop.train import _Window, train_epoch
+    from service.telemetry.metrics import PrometheusSink
 
     ports = [sink.port for sink in jobs["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
     assert ports and not [s for s in jobs["off"].roles.sink.sinks if isinstance(s, PrometheusSink)]

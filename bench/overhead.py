@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
 TRAIN_SIZE = 512
 
 
@@ -62,7 +63,7 @@ def bare(epochs: int, batch: int) -> list[float]:
             optimizer.step()
         times.append((time.perf_counter() - start) / len(loader))
     # Untimed teardown: free DDP before its process group, or gloo can hang or abort at exit
-    # (the reason service.distributed.shutdown_distributed collects first).
+    # (the reason service.world.distributed.shutdown_distributed collects first).
     del model, optimizer
     gc.collect()
     dist.destroy_process_group()
@@ -72,9 +73,9 @@ def bare(epochs: int, batch: int) -> list[float]:
 def service(epochs: int, batch: int) -> list[float]:
     """The service's own loop (``train_epoch``), built exactly as ``ddp-service train`` builds it."""
     from service.config import load_config
-    from service.distributed import distributed
-    from service.env import detect_world
-    from service.train import build_job
+    from service.loop.train import build_job
+    from service.world.distributed import distributed
+    from service.world.env import detect_world
 
     overrides = [
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
@@ -88,11 +89,12 @@ def service(epochs: int, batch: int) -> list[float]:
             return _time_service_epochs(build_job(config, world, ctx), epochs)
 
 
-def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a service.train.Job
+def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a service.loop.train.Job
     """Seconds per step of each epoch; the job dies with this frame, before its process group."""
     import torch.distributed as dist
 
-    from service.train import LoopState, _Window, train_epoch
+    from service.loop.job import LoopState
+    from service.loop.train import _Window, train_epoch
 
     state, window, times = LoopState(), _Window(job.device), []
     for epoch in range(epochs):

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
 LIVENESS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "1"}
 
 
@@ -64,7 +65,8 @@ def _counters(impl: str) -> dict[str, int]:
 
         C10dRendezvousBackend.get_state, C10dRendezvousBackend.set_state = counted_get, counted_set  # type: ignore[method-assign]
         return counts
-    from service.rendezvous import backend, client
+    from service.rendezvous import client
+    from service.rendezvous.dynamic import backend
 
     attempt, cas = client.EtcdClient._attempt, backend.Etcd3RendezvousBackend.set_state
 
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (imports before the fork)
 
-        import service.rendezvous.native  # noqa: F401
+        import service.rendezvous.native.handler  # noqa: F401
 
         impl, n = args.one[0], int(args.one[1])
         point = one_point(impl, n, args.endpoint, args.steady, args.recovery_point, margin=2.0, limit=args.limit)

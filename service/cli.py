@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
-from service.env import EnvError, WorldInfo, detect_world
-from service.preemption import Preemption
-from service.preflight import check_against_world
+from service.ops.preflight import check_against_world
 from service.rendezvous import admin as rdzv_admin
+from service.state.preemption import Preemption
+from service.world.env import EnvError, WorldInfo, detect_world
 
 if TYPE_CHECKING:  # torch stays unimported for validate and env
-    from service.distributed import DistContext
-    from service.runlock import RunDirGuard
+    from service.world.distributed import DistContext
+    from service.world.runlock import RunDirGuard
 
 log = logging.getLogger("service")
 
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override one key, e.g. --set train.lr=0.1 (repeatable)")  # fmt: skip
     commands.add_parser("env", help="print the launcher environment this process detected, as JSON")
-    # launch and doctor parse their own options (torchrun's among them): service/launcher.py, service/doctor.py
+    # launch and doctor parse their own options (torchrun's among them): service/ops/launcher.py, service/ops/doctor.py
     commands.add_parser("launch", add_help=False, help="run the job under torchrun's agent, in one command")
     commands.add_parser("doctor", add_help=False, help="check this machine and launcher before a job")
     rdzv_admin.add_parser(commands)  # rdzv list|show|retire: service/rendezvous/admin.py
@@ -47,11 +47,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args, rest = parser.parse_known_args(argv)
     env = os.environ if env is None else env
     if args.command == "launch":
-        from service.launcher import main as launch
+        from service.ops.launcher import main as launch
 
         return launch(rest, env)
     if args.command == "doctor":
-        from service.doctor import main as doctor
+        from service.ops.doctor import main as doctor
 
         return doctor(rest, env)
     if rest:
@@ -93,14 +93,14 @@ def _record(function):  # noqa: ANN001, ANN202
 
 
 def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
-    from service.logs import configure_logging
+    from service.telemetry.logs import configure_logging
 
     configure_logging(world.rank)
     return _record(_train)(config, world, preemption)
 
 
 def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
-    from service.consistency import ConfigMismatchError
+    from service.state.consistency import ConfigMismatchError
 
     try:
         return _train_in_group(config, world, preemption)
@@ -110,10 +110,10 @@ def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
 
 
 def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
-    from service.distributed import distributed
-    from service.orphans import guard_against_orphaning
-    from service.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
-    from service.runlock import build_run_dir_guard
+    from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
+    from service.world.distributed import distributed
+    from service.world.orphans import guard_against_orphaning
+    from service.world.runlock import build_run_dir_guard
 
     guard_against_orphaning(world)  # before anything that could outlive a dead agent
     guard = build_run_dir_guard(config, world)
@@ -136,7 +136,7 @@ def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption)
 def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
              guard: RunDirGuard) -> dict:  # fmt: skip
     """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
-    from service.train import build_job, train
+    from service.loop.train import build_job, train
 
     job = build_job(config, world, dist_ctx, preemption)
     try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import QUICK, REPO, child_env
 
-from service.checkpoint_io import state_name
 from service.cli import main
 from service.config import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_VALUES
-from service.hostlist import HostlistError, expand_hostlist
+from service.state.checkpoint_io import state_name
+from service.world.hostlist import HostlistError, expand_hostlist
 
 SLURM_BATCH = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]",
                "SLURM_TASKS_PER_NODE": "2(x2)"}  # fmt: skip

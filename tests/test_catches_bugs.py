@@ -73,7 +73,7 @@ def test_eval_of_two_ranks_equals_one_rank_on_the_same_weights(tmp_path: Path) -
 @pytest.mark.e2e
 def test_each_epoch_feeds_its_own_permutation(tmp_path: Path) -> None:
     """What the DataLoader really fetched (not what the plan says) is epoch e's permutation, for e = 0, 1, 2."""
-    from service.sampler import epoch_order
+    from service.loop.sampler import epoch_order
 
     size, epochs, seed = 24, 3, 5
     record = tmp_path / "record"
@@ -101,9 +101,9 @@ import json, os, sys
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from service.config import load_config
-from service.distributed import distributed
-from service.env import detect_world
-from service.train import _Window, build_job, train_epoch
+from service.world.distributed import distributed
+from service.world.env import detect_world
+from service.loop.train import _Window, build_job, train_epoch
 
 
 def run(config, world, ctx):
@@ -168,7 +168,7 @@ from pathlib import Path
 
 import torch
 
-from service.checkpoint_io import write_checkpoint
+from service.state.checkpoint_io import write_checkpoint
 
 
 class Blocks:
@@ -193,7 +193,7 @@ def _state(step: int) -> dict:
 
 def test_a_save_killed_mid_write_leaves_no_final_name(tmp_path: Path) -> None:
     """SIGKILL during torch.save: the step's final name never appears; the previous checkpoint stays the newest."""
-    from service.checkpoint_io import load_state, scan, write_checkpoint
+    from service.state.checkpoint_io import load_state, scan, write_checkpoint
 
     directory = tmp_path / "checkpoints"
     write_checkpoint(directory, 1, _state(1), "0" * 64)
@@ -235,7 +235,7 @@ def test_every_flipped_byte_of_a_signed_state_is_refused() -> None:
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-    from service.rendezvous.signing import StateCodec, StateIntegrityError
+    from service.rendezvous.dynamic.signing import StateCodec, StateIntegrityError
 
     codec, key = StateCodec(b"a-secret-of-at-least-16-chars"), b"/torchelastic/etcd3/run/state"
     real = _RendezvousState()

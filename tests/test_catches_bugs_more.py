@@ -40,9 +40,9 @@ import torch
 from conftest import REPO, child_env, kill_group, read_summary, run_job
 from torch import nn
 
-from service import checkpoint_io
-from service.checkpoint import Rank0Checkpointer
-from service.checkpoint_io import manifest_name, prune, read_verified, state_name, write_checkpoint
+from service.state import checkpoint_io
+from service.state.checkpoint import Rank0Checkpointer
+from service.state.checkpoint_io import manifest_name, prune, read_verified, state_name, write_checkpoint
 
 HASH = "0" * 64
 
@@ -121,8 +121,8 @@ class _Gradients:
 def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], global_batch: int, world: int,
                     rank: int, micro_steps: int) -> list[list[torch.Tensor]]:  # fmt: skip
     """The real optimizer_step on one rank's real plan for epoch 0, at fixed weights: each step's gradient."""
-    from service.sampler import DataPlan
-    from service.train import optimizer_step
+    from service.loop.sampler import DataPlan
+    from service.loop.train import optimizer_step
 
     inputs, targets = data
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -173,7 +173,7 @@ def test_ranks_average_to_the_one_rank_gradient_over_a_whole_uneven_epoch(length
 def test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state(tmp_path: Path, optimizer: str,
                                                                   grad_clip: float | None) -> None:  # fmt: skip
     """After a good step (momentum and Adam moments are non-zero), a nan step under ``skip`` changes nothing."""
-    from service.nonfinite import NonfiniteGuard
+    from service.loop.nonfinite import NonfiniteGuard
 
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -207,7 +207,7 @@ def test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state(tmp_path: Pat
 @pytest.mark.e2e
 def test_every_step_draws_from_its_own_seed_per_rank(tmp_path: Path) -> None:
     """Each rank's first draw in step k is torch's first draw from ``step_seed(seed, k - 1, rank)``; ranks differ."""
-    from service.train import step_seed
+    from service.loop.train import step_seed
 
     seed, steps, record = 11, 4, tmp_path / "record"
     run_job(tmp_path / "run", 2, "task=probe_tasks:recording_draws", f"task_options.record_dir={record}",
@@ -274,10 +274,10 @@ from pathlib import Path
 import torch
 
 from service import orphans
-from service.checkpoint_io import write_checkpoint
-from service.env import detect_world
-from service.logs import configure_logging
-from service.preemption import Preemption
+from service.state.checkpoint_io import write_checkpoint
+from service.world.env import detect_world
+from service.telemetry.logs import configure_logging
+from service.state.preemption import Preemption
 
 orphans.ParentWatchdog.start = lambda self: self  # the watchdog off: only the parent-death signal is left
 world = detect_world(os.environ)

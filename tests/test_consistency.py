@@ -9,7 +9,7 @@ import pytest
 from rendezvous.agents import Agent, train_args
 from rendezvous.conftest import free_port
 
-from service.consistency import EXIT_CONFIG_MISMATCH, differences
+from service.state.consistency import EXIT_CONFIG_MISMATCH, differences
 
 
 def test_differences_name_each_rank_and_field():

@@ -13,8 +13,8 @@ from conftest import fill
 from rendezvous.conftest import EtcdMember, free_port, make_tls_files, require_etcd, require_openssl, start_single
 
 from service.config import load_config
-from service.doctor import main
-from service.doctor_checks import batch_bytes, check_shm
+from service.ops.doctor import main
+from service.ops.doctor_checks import batch_bytes, check_shm
 from service.tasks.loader import load_task
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, child_env
 
-from service.env import EnvError, WorldInfo, detect_world, expand_hostlist
+from service.world.env import EnvError, WorldInfo, detect_world, expand_hostlist
 
 TORCHRUN = {
     "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",

@@ -17,7 +17,7 @@ from conftest import REPO, child_env, kill_group, read_summary, run_job
 from procs import worker_pids
 from test_resume_e2e import SLOW, finish, start
 
-from service.runlock import LOCK_NAME, RunDirLock, RunDirLockedError
+from service.world.runlock import LOCK_NAME, RunDirLock, RunDirLockedError
 
 pytestmark = pytest.mark.e2e
 
@@ -192,7 +192,7 @@ def test_a_dangling_symlink_at_the_lock_fails_the_start_at_once_saying_what_to_r
 
 
 def test_prune_leaves_checkpoints_of_another_lineage_alone(tmp_path):
-    from service.checkpoint_io import candidate_steps, prune, write_checkpoint
+    from service.state.checkpoint_io import candidate_steps, prune, write_checkpoint
 
     state = {"format": 1}
     for step in (1, 2):
@@ -213,13 +213,13 @@ time.sleep(120)
 """
 ONLY_PDEATHSIG = """
 import time
-from service.orphans import set_parent_death_signal
+from service.world.orphans import set_parent_death_signal
 assert set_parent_death_signal()
 time.sleep(120)
 """
 ONLY_WATCHDOG = """
 import os, time
-from service.orphans import ParentWatchdog
+from service.world.orphans import ParentWatchdog
 ParentWatchdog(os.getppid(), interval=0.2).start()
 time.sleep(120)
 """

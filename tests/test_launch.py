@@ -20,8 +20,8 @@ from procs import worker_pids
 from test_resume_e2e import LineWatcher, watch
 from test_resume_e2e import finish as finish_watched
 
-from service.launcher import LaunchError, Outcome, exit_code, parse_request
-from service.preemption import EXIT_PREEMPTED
+from service.ops.launcher import LaunchError, Outcome, exit_code, parse_request
+from service.state.preemption import EXIT_PREEMPTED
 
 SHAPES = str(REPO / "examples" / "shapes.yaml")
 
@@ -132,7 +132,7 @@ def test_the_exit_code_tells_completed_preempted_bad_input_and_failed_apart(fail
 
 def test_only_a_summary_written_by_this_start_counts(tmp_path):
     """A summary left by an earlier run (preempted, say) must not turn this start's failure into a 75."""
-    from service.launcher import _fresh_status
+    from service.ops.launcher import _fresh_status
 
     summary = tmp_path / "summary.json"
     summary.write_text('{"status": "preempted"}')

@@ -16,14 +16,14 @@ from conftest import kill_group, read_summary, require_tool, run_job
 from prometheus_client.parser import text_string_to_metric_families
 from test_resume_e2e import finish, start
 
-from service.checkpoint import Rank0Checkpointer
-from service.checkpoint_io import CheckpointWriteError
-from service.commtiming import AllreduceTimer, WaitClock, instrument
 from service.config import load_config
-from service.env import WorldInfo
-from service.metrics import BUCKETS, LABELS, PrometheusSink, StepReport
-from service.preflight import check_against_world
-from service.roles import build_roles
+from service.loop.roles import build_roles
+from service.ops.preflight import check_against_world
+from service.state.checkpoint import Rank0Checkpointer
+from service.state.checkpoint_io import CheckpointWriteError
+from service.telemetry.commtiming import AllreduceTimer, WaitClock, instrument
+from service.telemetry.metrics import BUCKETS, LABELS, PrometheusSink, StepReport
+from service.world.env import WorldInfo
 
 WORLD = WorldInfo("torchrun", rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
                   restart_count=2, run_id="job-7")  # fmt: skip
@@ -174,7 +174,7 @@ def test_port_auto_binds_a_free_port_per_rank_and_logs_it(tmp_path: Path, caplog
     ports = []
     roles = []
     try:
-        with caplog.at_level("INFO", logger="service.train"):
+        with caplog.at_level("INFO", logger="service.loop.train"):
             for rank in (0, 1):
                 world = WorldInfo("torchrun", rank=rank, local_rank=rank, world_size=2, local_world_size=2)
                 roles.append(build_roles(config, world, 10, "hash"))
@@ -199,7 +199,7 @@ def test_checkpoint_saves_and_failures_reach_the_sink(sink, tmp_path: Path, monk
     def full_disk(*args: object, **kwargs: object) -> None:
         raise CheckpointWriteError("no space left")
 
-    monkeypatch.setattr("service.checkpoint.write_checkpoint", full_disk)
+    monkeypatch.setattr("service.state.checkpoint.write_checkpoint", full_disk)
     saver.save(2, lambda: {"model": {"w": torch.zeros(3)}})  # on_error=continue: logged, counted, training goes on
     assert get("ddp_train_checkpoint_failures_total", LABEL_VALUES) == 1
 
@@ -247,7 +247,7 @@ def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_p
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+    from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

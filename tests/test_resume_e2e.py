@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
 from procs import worker_pids
 
-from service.sampler import permutation
+from service.loop.sampler import permutation
 
 pytestmark = pytest.mark.e2e
 
@@ -380,7 +380,7 @@ def test_resume_never_starts_afresh_once_and_a_torchrun_restart_resumes_its_own_
     """Issue 15, finding 4: a SIGKILLed worker under --max-restarts=1 with checkpoint.resume=never. The first start
     moves the earlier run's checkpoint aside; the restart resumes from the job's own checkpoint (same run id, so the
     same lineage), instead of moving it aside too and training from step 1."""
-    from service.checkpoint_io import write_checkpoint
+    from service.state.checkpoint_io import write_checkpoint
 
     run_dir = tmp_path / "run"
     earlier = write_checkpoint(run_dir / "checkpoints", 50, {"format": 1}, "0" * 64, lineage="an-earlier-run")

@@ -30,9 +30,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from service import checkpoint_io
-from service.checkpoint import Rank0Checkpointer, archive_existing
-from service.checkpoint_io import (
+from service.config import ConfigError, JobConfig, TrainConfig, load_config
+from service.loop.job import LoopState
+from service.loop.sampler import DataPlan, PlanSampler, permutation
+from service.loop.train import batch_geometry, plan_total_steps
+from service.state import checkpoint_io
+from service.state.checkpoint import Rank0Checkpointer, archive_existing
+from service.state.checkpoint_io import (
     FORMAT,
     CheckpointWriteError,
     Manifest,
@@ -45,13 +49,10 @@ from service.checkpoint_io import (
     state_name,
     write_checkpoint,
 )
-from service.config import ConfigError, JobConfig, TrainConfig, load_config
-from service.resume import config_hash, incompatible_fields
-from service.sampler import DataPlan, PlanSampler, permutation
-from service.train import LoopState, batch_geometry, plan_total_steps
+from service.state.resume import config_hash, incompatible_fields
 
 HASH = config_hash(JobConfig())
-IO_LOG = "service.checkpoint_io"
+IO_LOG = "service.state.checkpoint_io"
 
 
 @pytest.fixture(autouse=True)
@@ -339,7 +340,7 @@ def test_a_symlink_inside_the_checkpoint_directory_is_followed(two_checkpoints):
 _SCAN = """
 import logging, sys
 from pathlib import Path
-from service.checkpoint_io import scan
+from service.state.checkpoint_io import scan
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 manifest, payload = next(scan(Path(sys.argv[1])))
 print("newest", manifest.step, len(payload))
@@ -769,7 +770,7 @@ def test_fixed_global_batch_lets_the_split_follow_the_world():
 
 def test_archive_existing_moves_checkpoints_aside(two_checkpoints, caplog):
     originals = {path.name: path.read_bytes() for path in two_checkpoints.iterdir()}
-    with caplog.at_level(logging.WARNING, logger="service.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="service.state.checkpoint"):
         first = archive_existing(two_checkpoints)
     assert first is not None and first.parent == two_checkpoints.parent
     assert first.name.startswith("checkpoints.before-")
@@ -802,7 +803,7 @@ def test_archive_existing_moves_checkpoints_aside(two_checkpoints, caplog):
 def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     import signal
 
-    from service.preemption import Preemption
+    from service.state.preemption import Preemption
 
     now = [0.0]
     calls: list[tuple[int, int]] = []
@@ -838,9 +839,9 @@ def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_it
     from torch.utils.data._utils import signal_handling
 
     from service.config import DataConfig
-    from service.data import eval_loader
-    from service.env import WorldInfo
-    from service.preemption import Preemption, held_back
+    from service.loop.data import eval_loader
+    from service.state.preemption import Preemption, held_back
+    from service.world.env import WorldInfo
 
     installed = signal_handling._set_worker_signal_handlers
 
@@ -865,7 +866,7 @@ def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_it
 
 
 def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
-    from service.preemption import Preemption
+    from service.state.preemption import Preemption
 
     calls: list[tuple[int, int]] = []
 
@@ -891,7 +892,7 @@ def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
 def test_a_never_job_finds_only_its_own_lineage_and_reads_no_other(tmp_path):
     """``resume=never``: the lineage is one per run id, so a restart finds what its job wrote; another run's
     checkpoints are passed over on their manifest, before a byte of their state is read."""
-    from service.resume import job_lineage
+    from service.state.resume import job_lineage
 
     own = job_lineage("run-1")
     assert own == job_lineage("run-1") != job_lineage("run-2") and job_lineage(None) is None

@@ -20,7 +20,8 @@ from conftest import REPO, child_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.runlock import LOCK_NAME, TAKEOVER_PREFIX, RunDirLock, RunDirLockedError, pid_alive
+from service.world.holder import pid_alive
+from service.world.runlock import LOCK_NAME, TAKEOVER_PREFIX, RunDirLock, RunDirLockedError
 
 ROUNDS = 8  # rounds per hypothesis example: the race is rare per round, so each example runs several
 
@@ -138,7 +139,7 @@ class JitteredOs:
 
 def process_taker(index: int, commands, results, start) -> None:  # noqa: ANN001 - multiprocessing plumbing
     """One process of the pool: per round, wait for the start, maybe take the lock, report, release when told."""
-    import service.runlock as runlock
+    import service.world.runlock as runlock
 
     while True:
         command = commands.recv()
@@ -269,7 +270,7 @@ def test_the_refusal_does_not_advise_deleting_the_lock(tmp_path):
 ACQUIRE = """
 import sys, time
 from pathlib import Path
-from service.runlock import RunDirError, RunDirLock
+from service.world.runlock import RunDirError, RunDirLock
 started = time.monotonic()
 try:
     RunDirLock(Path(sys.argv[1]), "job").acquire()
@@ -310,7 +311,7 @@ def test_what_is_at_the_lock_path_but_no_lock_file_fails_fast_and_says_what_to_r
 def test_a_lost_lock_travels_through_the_step_agreement_and_outranks_a_preemption():
     """Two ranks' Preemption objects joined by a MAX over their codes, as ``any_rank``'s all-reduce joins them: rank 0
     lost the lock, rank 1 was signalled; both stop at the same check, for the lost lock (nothing to save)."""
-    from service.preemption import Preemption
+    from service.state.preemption import Preemption
 
     seen: list[tuple[int, int]] = []
 

@@ -11,17 +11,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.checkpoint import Rank0Checkpointer
-from service.checkpoint_io import candidate_steps
 from service.config import TrainConfig, load_config
-from service.distributed import attempt_store, select_backend, select_device, store_namespace
-from service.env import EnvError, WorldInfo
 from service.errors import INPLACE_MARKER, InplaceGradientError, backward
-from service.parallel import wants_sync_batchnorm, wrap_model
-from service.sampler import DataPlan
-from service.summary import JsonSummaryWriter, model_digest
-from service.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
-from service.train import LoopState, batch_geometry, lr_factor, plan_total_steps
+from service.loop.job import LoopState
+from service.loop.parallel import wants_sync_batchnorm, wrap_model
+from service.loop.sampler import DataPlan
+from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+from service.loop.train import batch_geometry, lr_factor, plan_total_steps
+from service.state.checkpoint import Rank0Checkpointer
+from service.state.checkpoint_io import candidate_steps
+from service.telemetry.summary import JsonSummaryWriter, model_digest
+from service.world.distributed import attempt_store, select_backend, select_device, store_namespace
+from service.world.env import EnvError, WorldInfo
 
 
 def test_lr_factor_warmup_then_cosine():

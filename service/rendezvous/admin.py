@@ -14,7 +14,6 @@ torch is imported only when a state must be decoded.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import pickle
 import sys
@@ -23,44 +22,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .signing import ALLOWED_GLOBALS  # the classes a torch rendezvous state is made of
+from service.rendezvous.dynamic.admin import AdminError, load_state
 
 DEFAULT_LIVE_WITHIN = 30.0
-
-
-# What unpickling garbage raises besides UnpicklingError.
-_GARBAGE = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            OverflowError, RecursionError)  # fmt: skip
-
-
-class AdminError(Exception):
-    """A refusal or failure of an admin command, worded for the operator."""
-
-
-# -- decoding the state ------------------------------------------------------------
-class _StateUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED_GLOBALS:
-            raise pickle.UnpicklingError(f"the state refers to {module}.{name}, which a rendezvous state never holds")
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("the state holds a persistent id, which a rendezvous state never holds")
-
-
-def load_state(data: bytes, key: str) -> Any:
-    """Unpickle a rendezvous state with the restricted unpickler; ``AdminError`` names the key on refusal."""
-    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401  (the allowed classes)
-
-    try:
-        state = _StateUnpickler(io.BytesIO(data)).load()
-    except _GARBAGE as exc:
-        raise AdminError(
-            f"The rendezvous state under {key} is not a torch rendezvous state ({exc}); refusing it."
-        ) from None
-    if type(state).__name__ != "_RendezvousState":
-        raise AdminError(f"The rendezvous state under {key} holds a {type(state).__name__}, not a rendezvous state.")
-    return state
 
 
 # -- what the commands report ----------------------------------------------------
@@ -98,12 +62,12 @@ class Admin:
         self._codec = codec
 
     def _key(self, run_id: str, leaf: str) -> bytes:
-        from .backend import run_key
+        from service.rendezvous.dynamic.backend import run_key
 
         return run_key(self._prefix, run_id, leaf)
 
     def _call(self, op: Any, what: str) -> Any:
-        from .client import EtcdError
+        from service.rendezvous.client import EtcdError
 
         try:
             return self._client.call(op, what)
@@ -134,7 +98,7 @@ class Admin:
         info.keys = len(self._call(lambda c: list(c.get_prefix(prefix, keys_only=True)), "listing the run's keys"))
         self._read_lease(run_id, info)
         self._read_job(run_id, info)
-        from . import admin_native
+        from service.rendezvous.native import admin as admin_native
 
         if self._call(
             lambda c: admin_native.describe(c, self._prefix, run_id, info, self._codec.secret), "reading the run"
@@ -173,7 +137,7 @@ class Admin:
             info.job = {"invalid": raw[:80].decode("utf-8", errors="replace")}
 
     def _decode(self, blob: bytes, key: bytes, info: RunInfo) -> Any:
-        from .signing import StateIntegrityError
+        from service.rendezvous.dynamic.signing import StateIntegrityError
 
         try:
             data = self._codec.decode(blob, key)
@@ -234,9 +198,9 @@ class Admin:
             )
 
     def _mark_closed(self, run_id: str, info: RunInfo) -> bool:
-        from . import admin_native
-        from .client import EtcdError
-        from .signing import StateIntegrityError
+        from service.rendezvous.client import EtcdError
+        from service.rendezvous.dynamic.signing import StateIntegrityError
+        from service.rendezvous.native import admin as admin_native
 
         if self._is_native(run_id):
             lease = None if info.lease_id is None or info.lease_id.startswith("invalid") else int(info.lease_id, 16)
@@ -270,7 +234,7 @@ class Admin:
         return bool(self._call(lambda c: list(c.get_prefix(base, keys_only=True, limit=1)), "reading the run"))
 
     def _revoke(self, info: RunInfo) -> bool:
-        from .client import EtcdError
+        from service.rendezvous.client import EtcdError
 
         if info.lease_id is None or info.lease_id.startswith("invalid"):
             return False
@@ -338,9 +302,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _connect(args: argparse.Namespace) -> tuple[Admin, Any]:
-    from .client import EtcdClient
-    from .options import parse_options
-    from .signing import StateCodec
+    from service.rendezvous.client import EtcdClient
+    from service.rendezvous.dynamic.signing import StateCodec
+    from service.rendezvous.options import parse_options
 
     conf: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in args.conf.split(","))):

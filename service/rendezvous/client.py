@@ -32,7 +32,7 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from .options import ClientOptions
+from service.rendezvous.options import ClientOptions
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
-from .backend import run_key
-from .client import EtcdClient, EtcdError, LeaseNotFoundError
-from .lease import RunLease
+from service.rendezvous.client import EtcdClient, EtcdError, LeaseNotFoundError
+from service.rendezvous.dynamic.backend import run_key
+from service.rendezvous.lease import RunLease
 
 JOB_ENV = "DDP_SERVICE_RDZV_JOB"
 _LAUNCHER = "torch.distributed.launcher.api"  # its launch_agent(config, entrypoint, args) creates the handler

@@ -20,7 +20,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .client import EtcdClient, EtcdError, EtcdUnavailableError
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+from service.rendezvous.client import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 _PUBLISH_ATTEMPTS = 10
@@ -258,3 +264,7 @@ class NodeLease:
 
     def _refresh(self, lease_id: int) -> list:
         return self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the node lease")
+
+
+class RunLostError(RendezvousStateError):
+    """The run's keys or lease vanished while this agent was part of the run."""

@@ -31,8 +31,8 @@ def create_rendezvous_handler(params: Any) -> Any:
     # setting by the user wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     share = os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] != "1"  # read once, as torch's own handler reads it
-    from .factory import build_handler
-    from .options import scrub_secret_env
+    from service.rendezvous.factory import build_handler
+    from service.rendezvous.options import scrub_secret_env
 
     try:
         return build_handler(params, share_tcp_store=share)

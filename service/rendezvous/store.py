@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from .client import EtcdClient, EtcdError, EtcdUncertainError, LeaseNotFoundError, prefix_end
-from .lease import RunLease
+from service.rendezvous.client import EtcdClient, EtcdError, EtcdUncertainError, LeaseNotFoundError, prefix_end
+from service.rendezvous.lease import RunLease
 
 T = TypeVar("T")
 _POLL_FIRST = 0.005

@@ -26,11 +26,11 @@ _TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 # A training step: the service's "step 5/30 epoch 0 loss ..." or bench/rendezvous.py's "step 5". Not the
 # other lines that name a step ("resuming from ... (step 5", "eval epoch 0 step 8", "preempted: ... step 5").
 STEP_LINE = re.compile(rf"^{_TIME} \[rank (\d+)\] (?:INFO )?step (\d+)\b", re.M)
-# service/resume.py, on every rank that resumes: "resuming from <file> (step N, ...)".
+# service/state/resume.py, on every rank that resumes: "resuming from <file> (step N, ...)".
 RESUME_LINE = re.compile(r"\[rank (\d+)\] INFO resuming from (\S+) \(step (\d+),")
 # service/cli.py, on every rank of a preempted world: "preempted: stopped at step N after saving ...".
 PREEMPTED_LINE = re.compile(r"\[rank (\d+)\] WARNING preempted: stopped at step (\d+)\b")
-# service/checkpoint.py, rank 0: "checkpoint saved: <dir>/step-0000000N.pt (...)".
+# service/state/checkpoint.py, rank 0: "checkpoint saved: <dir>/step-0000000N.pt (...)".
 SAVED_LINE = re.compile(r"\[rank 0\] INFO checkpoint saved: \S*step-(\d{8})\.pt")
 
 

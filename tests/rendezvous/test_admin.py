@@ -11,8 +11,8 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from service.cli import main
+from service.rendezvous.dynamic.signing import StateCodec
 from service.rendezvous.factory import build_handler
-from service.rendezvous.signing import StateCodec
 
 from .conftest import EtcdMember, etcdctl
 

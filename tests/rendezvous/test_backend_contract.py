@@ -27,8 +27,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from service.rendezvous.factory import Etcd3Parts
 from service.rendezvous.options import parse_options
+from service.rendezvous.parts import Etcd3Parts
 
 from .conftest import free_port
 from .states import state_bytes as S

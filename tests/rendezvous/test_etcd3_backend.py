@@ -23,11 +23,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from service.rendezvous import factory
-from service.rendezvous.backend import run_key
 from service.rendezvous.client import EtcdUncertainError
-from service.rendezvous.factory import Etcd3Parts, build_handler, build_parts
+from service.rendezvous.dynamic.backend import run_key
+from service.rendezvous.dynamic.signing import StateCodec
+from service.rendezvous.factory import build_handler, build_parts
 from service.rendezvous.options import parse_options
-from service.rendezvous.signing import StateCodec
+from service.rendezvous.parts import Etcd3Parts
 
 from .conftest import EtcdMember, free_port
 from .states import state_bytes as S

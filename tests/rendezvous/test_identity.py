@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from service.rendezvous.backend import RunLostError
-from service.rendezvous.factory import Etcd3Parts
 from service.rendezvous.identity import (
     JOB_ENV,
     JobMismatchError,
@@ -27,7 +25,9 @@ from service.rendezvous.identity import (
     fingerprint_of,
     this_job,
 )
+from service.rendezvous.lease import RunLostError
 from service.rendezvous.options import parse_options
+from service.rendezvous.parts import Etcd3Parts
 
 from .agents import Agent
 from .conftest import REPO, EtcdMember, etcdctl

@@ -27,14 +27,13 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from service.rendezvous.backend import RunLostError
 from service.rendezvous.client import EtcdClient
 from service.rendezvous.factory import build_handler
-from service.rendezvous.lease import NodeLease
-from service.rendezvous.mirror import Entry
+from service.rendezvous.lease import NodeLease, RunLostError
+from service.rendezvous.native.mirror import Entry
+from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
+from service.rendezvous.native.rounds import seal_due, try_join, try_seal, view_round
 from service.rendezvous.options import parse_options
-from service.rendezvous.records import Layout, NodeRecord, SealRecord
-from service.rendezvous.rounds import seal_due, try_join, try_seal, view_round
 
 from .conftest import REPO, EtcdMember, wait_healthy
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from service.rendezvous.dynamic.signing import StateCodec, StateIntegrityError
 from service.rendezvous.options import (
     BOUNDS,
     DEFAULTS,
@@ -14,7 +15,6 @@ from service.rendezvous.options import (
     parse_options,
     scrub_secret_env,
 )
-from service.rendezvous.signing import StateCodec, StateIntegrityError
 
 from .states import state_bytes
 

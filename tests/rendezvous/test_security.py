@@ -30,7 +30,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
-from service.rendezvous.factory import Etcd3Parts, build_parts
+from service.rendezvous.factory import build_parts
+from service.rendezvous.parts import Etcd3Parts
 
 from .agents import Agent
 from .conftest import (

@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier, synchronize
 
-from service.rendezvous.factory import Etcd3Parts
 from service.rendezvous.options import parse_options
+from service.rendezvous.parts import Etcd3Parts
 from service.rendezvous.store import Etcd3Store
 
 from .conftest import REPO, EtcdMember, kill_group

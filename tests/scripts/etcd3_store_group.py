@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from service.rendezvous.factory import Etcd3Parts
 from service.rendezvous.options import parse_options
+from service.rendezvous.parts import Etcd3Parts
 
 
 def main() -> int:

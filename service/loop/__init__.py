@@ -1,0 +1,1 @@
+"""The training step and what feeds it: the job, the loop, data, sampling, DDP wrapping, rank roles."""

@@ -1,0 +1,105 @@
+"""The job the loop runs (:class:`Job`, built once by ``train.build_job``), where it stands
+(:class:`LoopState`), and what ``summary.json`` says of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader
+
+from service.config import JobConfig
+from service.loop.nonfinite import NonfiniteGuard
+from service.loop.parallel import unwrap
+from service.loop.roles import Roles
+from service.loop.sampler import DataPlan, PlanSampler
+from service.state.preemption import Preemption
+from service.state.resume import (
+    Resumed,
+)
+from service.tasks.base import Task
+from service.telemetry.summary import model_digest
+from service.world.env import WorldInfo
+
+if TYPE_CHECKING:
+    from service.telemetry.metrics import EvalReport
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where training stands; what a checkpoint must hold to resume.
+
+    ``cursor`` is the data position: samples of this epoch's permutation that
+    optimizer steps have consumed, whatever the world size that consumed them.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    samples_seen: int = 0
+    epochs_completed: int = 0
+    cursor: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything the loop needs, built once by :func:`build_job`."""
+
+    config: JobConfig
+    world: WorldInfo
+    device: torch.device
+    task: Task
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    plan: DataPlan
+    sampler: PlanSampler
+    loader: DataLoader
+    eval_loader: DataLoader
+    roles: Roles
+    preemption: Preemption
+    nonfinite: NonfiniteGuard
+    barrier: Callable[[], None]
+    state: LoopState
+    resumed: Resumed | None
+    total_steps: int
+    autocast: Callable[[], contextlib.AbstractContextManager]
+
+
+def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,
+                 status: str, error: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """What ``summary.json`` holds; ``samples_per_second`` counts what this start trained, not the samples before
+    the resumed step."""
+    return {
+        "status": status,
+        "stopped_at_step": state.global_step if status != "completed" else None,
+        "error": error,
+        "resumed_from": job.resumed.describe() if job.resumed else None,
+        "task": job.config.task,
+        "model_digest": model_digest(unwrap(job.model).state_dict()),
+        "global_step": state.global_step,
+        "total_steps": job.total_steps,
+        "samples_seen": state.samples_seen,
+        "epochs_completed": state.epochs_completed,
+        "world_size": job.world.world_size,
+        "global_batch_size": job.plan.global_batch,
+        "grad_accum": job.plan.micro_steps,
+        "restarts": job.world.restart_count,
+        "nonfinite_steps": job.nonfinite.skipped,
+        "final_loss": report.loss if report else None,
+        "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
+        "checkpoint": {
+            "last": str(job.roles.checkpointer.last_path or "") or None,
+            "failures": job.roles.checkpointer.failures,
+        },
+        "wall_seconds": round(seconds, 3),
+        "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
+        "launcher": job.world.launcher,
+        "scheduler": job.world.scheduler,
+        "device": job.device.type,
+    }

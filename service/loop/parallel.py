@@ -1,0 +1,94 @@
+"""The one place where a model is wrapped for parallel training."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from service.config import DDPConfig, TrainConfig
+from service.errors import backward
+from service.loop.syncbn import convert_sync_batchnorm
+from service.world.env import EnvError, WorldInfo
+
+log = logging.getLogger(__name__)
+
+
+def wants_sync_batchnorm(setting: str, world_size: int) -> bool:
+    return setting == "on" or (setting == "auto" and world_size > 1)
+
+
+def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: WorldInfo,
+               device: torch.device) -> nn.Module:  # fmt: skip
+    """BatchNorm → SyncBatchNorm when asked, move to the device, then DDP (or DataParallel)."""
+    if train.strategy == "dp":
+        return _data_parallel(model.to(device), world, device)
+    if wants_sync_batchnorm(train.sync_batchnorm, world.world_size):
+        model = convert_sync_batchnorm(model, device.type)
+    model = model.to(device)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=ddp.find_unused_parameters,
+        # None keeps torch's default: 25 MiB buckets after a small first one, so the
+        # all-reduce of the last layers' gradients starts while backward still runs.
+        bucket_cap_mb=ddp.bucket_cap_mb,
+        **_buffer_sync_kwargs(ddp.broadcast_buffers),
+    )
+
+
+def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch.Tensor], autocast: Any) -> None:
+    """One backward of zeros through DDP before training, so every step of every start sees the same buckets.
+
+    DDP regroups its gradient buckets once, after a process's first backward, in the order the gradients
+    became ready. With 3 or more ranks the bucket layout decides in which order the all-reduce adds each
+    element across ranks, so a process that resumes at step k would reduce step k's gradients in the
+    initial layout while the uninterrupted run used the regrouped one: the weights would differ in the last
+    bits. This backward, on every start and before any real step, gives every real step the regrouped
+    layout. In eval mode (no BatchNorm statistics move, no dropout), under a forked RNG, with a loss of 0 and
+    the gradients dropped after: parameters, buffers, optimizer and RNG are as before. ``sample()`` gives one
+    input batch on the model's device (one read of the dataset outside the loader); it is only called where
+    the order matters: 2 numbers add up the same in either order, so worlds of 1 and 2 skip all this.
+    """
+    if not isinstance(model, DistributedDataParallel) or world_size < 3:
+        return
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        inputs = sample()  # a dataset may draw random numbers too
+        with autocast():
+            output = model(inputs)
+    backward(output.float().sum() * 0)  # the in-place error gets its hint here too
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+
+
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:
+    """Newer torch renames the per-forward buffer broadcast ``forward_sync_buffers``; older has only the old name."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": broadcast_buffers}
+    return {"broadcast_buffers": broadcast_buffers}
+
+
+def _data_parallel(model: nn.Module, world: WorldInfo, device: torch.device) -> nn.Module:
+    """The seed's section 二: one process drives every visible GPU with threads."""
+    if world.world_size > 1:
+        raise EnvError(
+            f"train.strategy is 'dp' but the launcher started {world.world_size} processes. DataParallel "
+            "runs in one process: start it without torchrun (python -m service train ...) or use "
+            "train.strategy=ddp."
+        )
+    if device.type != "cuda":
+        log.warning("train.strategy=dp on CPU: running as a single process without DataParallel.")
+        return model
+    return DataParallel(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under a DDP/DataParallel wrapper; its state_dict has no 'module.' prefix."""
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model

@@ -1,0 +1,70 @@
+"""What each rank does besides training, decided once, as objects the loop calls blindly."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from service.config import JobConfig
+from service.loop.data import FileSampleTrace, SampleTrace
+from service.state.checkpoint import Checkpointer, Rank0Checkpointer
+from service.telemetry.metrics import (
+    FanOutSink,
+    LogSink,
+    MetricsSink,
+    ProgressSink,
+    PrometheusSink,
+    TensorBoardSink,
+)
+from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
+from service.world.env import WorldInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    sink: MetricsSink
+    checkpointer: Checkpointer
+    summary: SummaryWriter
+    trace: SampleTrace
+
+    def fence(self, vacant: Callable[[], bool]) -> None:
+        """run_dir's lock was lost: no checkpoint there any more, and a summary only while no other job holds it."""
+        self.checkpointer.fence()
+        self.summary.fence(vacant)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.trace.close()
+        self.sink.close()
+
+
+def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
+                device_is_cuda: bool = False, resumed_step: int | None = None,
+                lineage: str | None = None, backend: str = "none") -> Roles:  # fmt: skip
+    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
+    run_dir = Path(config.run_dir)
+    is_rank0 = world.rank == 0
+    sinks: list[MetricsSink] = [LogSink()]
+    if is_rank0 and config.train.progress_bar:
+        sinks.append(ProgressSink(total_steps))
+    if config.metrics.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
+    base_port = config.metrics.port
+    if base_port:
+        port = 0 if base_port == "auto" else int(base_port) + world.local_rank
+        sinks.append(PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
+                                    backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
+    sink = FanOutSink(sinks)
+    ckpt = config.checkpoint
+    fresh = ckpt.resume == "never" and resumed_step is None  # never: the job's first start; its restarts resume
+    checkpointer = (
+        Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
+                          ckpt.async_save, start_fresh=fresh, pin=device_is_cuda,
+                          saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint)
+        if is_rank0
+        else Checkpointer()
+    )  # fmt: skip
+    summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
+    trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
+    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace)

@@ -1,0 +1,359 @@
+"""The training loop: build the job once, then epochs → optimizer steps → micro-steps.
+
+Nothing in here asks for its rank: the per-rank behaviour lives in the
+:class:`~service.loop.roles.Roles` objects built before the loop starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from service.config import JobConfig, TrainConfig
+from service.errors import backward
+from service.loop.data import eval_loader, train_loader
+from service.loop.job import Job, LoopState, make_summary
+from service.loop.nonfinite import NonfiniteGuard
+from service.loop.parallel import settle_buckets, unwrap, wrap_model
+from service.loop.roles import build_roles
+from service.loop.sampler import DataPlan, StepPlan
+from service.state.checkpoint_io import FORMAT
+from service.state.consistency import check_same_config
+from service.state.preemption import Preemption
+from service.state.resume import (
+    agree_on_checkpoint,
+    check_compatible,
+    config_hash,
+    job_lineage,
+    restore,
+    rng_state,
+)
+from service.tasks.loader import load_task
+from service.telemetry.metrics import EvalReport, StepReport, count_tokens
+from service.world.distributed import DistContext, any_rank
+from service.world.env import WorldInfo
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warm-up, then constant or cosine decay to zero at ``total_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+
+
+def autocast_factory(setting: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """bf16 autocast on CUDA under ``auto``; off on CPU unless asked for."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(samples per optimizer step over the world, micro-steps per rank), decided at every (re)start."""
+    if train.global_batch_size is None:
+        return train.batch_size * world_size * train.grad_accum, train.grad_accum
+    per_micro_step = world_size * train.batch_size
+    if train.global_batch_size % per_micro_step:
+        raise ValueError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of world_size {world_size} x "
+            f"train.batch_size {train.batch_size} = {per_micro_step}, so no whole number of micro-steps makes "
+            "that global batch. Pick a global batch that is a multiple of it, or a batch_size that divides "
+            f"global_batch_size / world_size for every world size this job may run at."
+        )
+    return train.global_batch_size, train.global_batch_size // per_micro_step
+
+
+def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> int:
+    """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it."""
+    remaining = 0
+    if state.epoch < train.epochs:
+        remaining = plan.steps_in_epoch(state.cursor) + (train.epochs - state.epoch - 1) * plan.steps_in_epoch(0)
+    total = state.global_step + remaining
+    return min(total, train.max_steps) if train.max_steps else total
+
+
+def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None) -> Job:
+    """The job of this start; ``preemption``: the handlers the command installed first thing (else new ones)."""
+    global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
+    check_same_config(config, world.world_size, dist_ctx.control)
+    preemption = preemption or Preemption()
+    preemption.connect(any_rank(dist_ctx.control))
+    torch.manual_seed(config.seed)
+    task = load_task(config.task, config.seed, config.task_options)
+    train = config.train
+    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
+    checkpoints = Path(config.run_dir) / "checkpoints"
+    own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
+    resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
+                                  config.checkpoint.resume, own)  # fmt: skip
+    if resumed is not None:
+        check_compatible(resumed, config)
+    state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
+    plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
+    total_steps = plan_total_steps(plan, state, train)
+    optimizer = make_optimizer(model.parameters(), train)
+    scheduler = LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule))
+    if resumed is not None:
+        restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
+    autocast = autocast_factory(train.amp, dist_ctx.device)
+    # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
+    settle_buckets(model, world.world_size, lambda: task.train_set[0][0].unsqueeze(0).to(dist_ctx.device), autocast)
+    loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
+    job = Job(
+        config=config,
+        world=world,
+        device=dist_ctx.device,
+        task=task,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        plan=plan,
+        sampler=sampler,
+        loader=loader,
+        eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world),
+        roles=build_roles(
+            config,
+            world,
+            total_steps,
+            config_hash(config),
+            dist_ctx.is_cuda,
+            resumed.step if resumed else None,
+            resumed.state.get("lineage") if resumed else own,
+            dist_ctx.backend,
+        ),
+        preemption=preemption,
+        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
+        barrier=lambda: dist.barrier(group=dist_ctx.control),
+        state=state,
+        resumed=resumed,
+        total_steps=total_steps,
+        autocast=autocast,
+    )
+    job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
+    return job
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of one optimizer step on one rank: dropout and augmentation replay exactly on resume."""
+    return ((seed * 1_000_003 + step) * 7_919 + rank) % 2**32
+
+
+def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """Seed torch (this device's generator too), ``random`` and numpy; about 5 µs, so every step can."""
+    value = step_seed(seed, step, rank)
+    torch.default_generator.manual_seed(value)  # torch.manual_seed visits every backend: 60 µs
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value)
+
+
+def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, Tensor]], step: int) -> Tensor:
+    """Forward/backward each micro-batch (gradient sync only on the last), then one optimizer step.
+
+    Each micro-batch's mean loss is scaled by its plan weight, so the gradient
+    DDP averages is the mean over every sample of the global step. Returns the
+    step's loss (a detached tensor: no host sync here).
+    """
+    model, count = job.model, len(micro_batches)
+    loss_sum = torch.zeros((), device=job.device)
+    for index, ((inputs, targets), part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
+        inputs = inputs.to(job.device, non_blocking=True)
+        targets = targets.to(job.device, non_blocking=True)
+        last = index == count - 1
+        sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+        with sync:
+            with job.autocast():
+                loss = job.task.loss_fn(model(inputs), targets)
+                if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
+                    loss = loss * part.weight
+            backward(loss)
+        loss_sum += loss.detach()
+    job.nonfinite.step(list(model.parameters()), job.optimizer, step)  # clips; skips or records a nan step
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    return loss_sum
+
+
+class _Window:
+    """Loss and throughput between two log lines; read from the device once per window."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.steps = 0
+        self.samples = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: Tensor, samples: int) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.samples += samples
+
+    def report(self, job: Job, state: LoopState) -> StepReport:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        report = StepReport(
+            global_step=state.global_step,
+            total_steps=job.total_steps,
+            epoch=state.epoch,
+            loss=self.loss.item() / max(1, self.steps),
+            lr=job.optimizer.param_groups[0]["lr"],
+            samples_seen=state.samples_seen,
+            rank_samples_per_second=self.samples / elapsed,
+        )
+        self.reset()
+        return report
+
+
+def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
+    """Steps from the cursor to the end of the epoch; returns why it stopped.
+
+    ``"epoch"``: the epoch is done; ``"steps"``: ``total_steps`` reached;
+    ``"preempted"``: a rank was signalled (the step that just ran is kept);
+    ``"lock_lost"``: rank 0 lost the run_dir lock (nothing more is saved).
+    """
+    if state.global_step >= job.total_steps:
+        return "steps"
+    job.model.train()
+    job.sampler.position(state.epoch, state.cursor)
+    batches = iter(job.loader)
+    log_every, roles, seed = job.config.train.log_every, job.roles, job.config.seed
+    for plan in job.plan.steps(state.epoch, state.cursor):
+        started = time.perf_counter()  # host timers only: no device sync for the metrics
+        micro = [next(batches) for _ in plan.micro]
+        fetched = time.perf_counter()
+        seed_step(seed, state.global_step, job.world.rank, job.device)
+        loss = optimizer_step(job, plan, micro, state.global_step + 1)
+        state.global_step += 1
+        job.nonfinite.check(state.global_step)
+        state.cursor = plan.end
+        state.samples_seen += plan.size
+        reals = [part.real for part in plan.micro]
+        rank_samples = sum(reals)
+        window.add(loss, rank_samples)
+        tokens = count_tokens(job.task.tokens_fn, micro, reals)
+        roles.sink.on_step(rank_samples, time.perf_counter() - started, fetched - started, tokens)
+        roles.trace.record(plan, state.global_step)
+        if state.global_step % log_every == 0:
+            roles.sink.on_report(window.report(job, state))
+        if stop := job.preemption.stop_now():
+            return stop
+        roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
+        if state.global_step >= job.total_steps:
+            return "epoch" if state.cursor >= job.plan.length else "steps"
+    return "epoch"
+
+
+@torch.no_grad()
+def evaluate(job: Job, state: LoopState) -> EvalReport:
+    """Mean loss and metric over the whole eval set, summed across ranks.
+
+    Runs the unwrapped model: DDP's forward would broadcast buffers, a collective
+    that ranks with different shard lengths would not all join.
+    """
+    model = unwrap(job.model)
+    model.eval()
+    totals = torch.zeros(3, device=job.device, dtype=torch.float64)
+    for inputs, targets in job.eval_loader:
+        inputs, targets = inputs.to(job.device), targets.to(job.device)
+        with job.autocast():
+            outputs = model(inputs)
+        outputs = outputs.float()
+        totals[0] += job.task.loss_fn(outputs, targets).double() * len(inputs)
+        totals[1] += job.task.metric_fn(outputs, targets).double().sum()
+        totals[2] += len(inputs)
+    dist.all_reduce(totals)
+    count = max(totals[2].item(), 1.0)
+    report = EvalReport(
+        epoch=state.epoch,
+        global_step=state.global_step,
+        loss=totals[0].item() / count,
+        metric_name=job.task.metric_name,
+        metric=totals[1].item() / count,
+    )
+    job.roles.sink.on_eval(report)
+    return report
+
+
+def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
+    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
+    from service import __version__
+
+    job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
+    return {
+        "format": FORMAT,
+        "model": unwrap(job.model).state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "scaler": None,  # bf16 autocast needs no gradient scaler
+        "loop": dataclasses.asdict(state),
+        "rng": rng_state(),
+        "world_size": job.world.world_size,
+        "global_batch": job.plan.global_batch,
+        "config": job.config.model_dump(mode="json"),
+        "config_hash": config_hash(job.config),
+        "lineage": job.roles.checkpointer.lineage,
+        "versions": {"torch": str(torch.__version__), "service": __version__},
+    }
+
+
+def train(job: Job) -> dict[str, Any]:
+    """Run from where the job stands to ``total_steps``, evaluating after each epoch; stop early if preempted."""
+    started = time.perf_counter()
+    state, window, report, status = job.state, _Window(job.device), None, "completed"
+    start_samples = state.samples_seen
+    try:
+        while True:
+            if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
+                status = stop
+                break
+            outcome = train_epoch(job, state, window)
+            if outcome in ("preempted", "lock_lost"):
+                status = outcome
+                break
+            if outcome == "epoch":
+                state.epochs_completed += 1
+            report = evaluate(job, state)
+            if outcome == "epoch":
+                state.epoch, state.cursor = state.epoch + 1, 0
+            if state.global_step >= job.total_steps:
+                break
+        job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
+        if status == "preempted":
+            job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
+    except Exception as exc:
+        seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
+        failed = make_summary(job, state, report, seconds, trained, "failed", error=f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
+            job.roles.summary.write(failed)
+        raise
+    seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
+    summary = make_summary(job, state, report, seconds, trained, status, error=job.preemption.lock_lost)
+    job.roles.summary.write(summary)
+    return summary

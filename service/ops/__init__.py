@@ -1,0 +1,1 @@
+"""The commands around a job: launch, doctor, preflight checks."""

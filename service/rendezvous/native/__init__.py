@@ -1,0 +1,1 @@
+"""The etcd-native rendezvous handler: node leases, per-round keys, watches, one sealing write."""

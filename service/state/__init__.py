@@ -1,0 +1,3 @@
+"""What a job keeps (checkpoints, the resume agreement, the config it agreed on), and how it stops
+(preemption) and comes back.
+"""

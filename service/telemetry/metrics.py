@@ -1,0 +1,298 @@
+"""Where training numbers go: log lines, the progress bar, TensorBoard, Prometheus.
+
+Every destination is a :class:`MetricsSink`. Which ranks get which sinks is
+decided once (see ``roles.py``); the loop calls one fan-out sink and never asks
+for its rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from service.telemetry.commtiming import AllreduceTimer, WaitClock
+from service.telemetry.commtiming import instrument as instrument_collectives
+
+log = logging.getLogger("service.loop.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """One logging window's numbers, from this rank's point of view."""
+
+    global_step: int
+    total_steps: int
+    epoch: int
+    loss: float
+    lr: float
+    samples_seen: int
+    rank_samples_per_second: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalReport:
+    epoch: int
+    global_step: int
+    loss: float
+    metric_name: str
+    metric: float
+
+
+class MetricsSink:
+    """Do-nothing defaults: a sink overrides only what it records."""
+
+    def instrument(self, model: Any) -> None:
+        """Called once before training with the wrapped model (e.g. to time DDP's all-reduce)."""
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        """Called every optimizer step with host-timer numbers: no sync, no I/O, no collective; keep it cheap.
+
+        ``rank_samples``: real samples (no fillers) this rank consumed; ``step_seconds``: wall time of the
+        step, data wait included; ``data_wait_seconds``: time blocked in the loader; ``tokens``: 0 unless the
+        task counts them.
+        """
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        """Called by the checkpointer (rank 0, maybe from its writer thread) after each save attempt."""
+
+    def on_report(self, report: StepReport) -> None:
+        """Called every ``train.log_every`` steps."""
+
+    def on_eval(self, report: EvalReport) -> None:
+        """Called after each evaluation."""
+
+    def close(self) -> None:
+        """Release files, threads and ports."""
+
+
+class NullSink(MetricsSink):
+    """Records nothing; what ranks without a destination get."""
+
+
+class FanOutSink(MetricsSink):
+    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+        self.sinks = tuple(sinks)
+
+    def instrument(self, model: Any) -> None:
+        for sink in self.sinks:
+            sink.instrument(model)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        for sink in self.sinks:
+            sink.on_step(rank_samples, step_seconds, data_wait_seconds, tokens)
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        for sink in self.sinks:
+            sink.on_checkpoint(seconds, ok)
+
+    def on_report(self, report: StepReport) -> None:
+        for sink in self.sinks:
+            sink.on_report(report)
+
+    def on_eval(self, report: EvalReport) -> None:
+        for sink in self.sinks:
+            sink.on_eval(report)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class LogSink(MetricsSink):
+    """Plain log lines; the logging formatter adds the rank prefix."""
+
+    def on_report(self, report: StepReport) -> None:
+        log.info(
+            "step %d/%d epoch %d loss %.4f lr %.5f samples/s %.1f",
+            report.global_step, report.total_steps, report.epoch, report.loss, report.lr,
+            report.rank_samples_per_second,
+        )  # fmt: skip
+
+    def on_eval(self, report: EvalReport) -> None:
+        log.info("eval epoch %d step %d loss %.4f %s %.4f", report.epoch, report.global_step,
+                 report.loss, report.metric_name, report.metric)  # fmt: skip
+
+
+class ProgressSink(MetricsSink):
+    """A tqdm bar over optimizer steps (rank 0 only, or every rank would draw one)."""
+
+    def __init__(self, total_steps: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        self.bar.update(1)
+
+    def on_report(self, report: StepReport) -> None:
+        self.bar.set_postfix(loss=f"{report.loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class TensorBoardSink(MetricsSink):
+    """One event dir per rank: ``run_dir/tensorboard/rank{N}`` (a shared dir raises FileExistsError)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def on_report(self, report: StepReport) -> None:
+        self.writer.add_scalar("train/loss", report.loss, report.global_step)
+        self.writer.add_scalar("train/lr", report.lr, report.global_step)
+        self.writer.add_scalar("train/rank_samples_per_second", report.rank_samples_per_second, report.global_step)
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.writer.add_scalar("eval/loss", report.loss, report.global_step)
+        self.writer.add_scalar(f"eval/{report.metric_name}", report.metric, report.global_step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+PREFIX = "ddp_train_"
+LABELS = ("rank", "local_rank", "node_rank", "run_id")
+# Step, data-wait, all-reduce and checkpoint durations from 1 ms to 60 s.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def metric_labels(world: Any) -> dict[str, str]:
+    """The four labels of every series (a ``WorldInfo``); ``job`` and ``instance`` are Prometheus's own."""
+    return {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank),
+            "run_id": world.run_id or "none"}  # fmt: skip
+
+
+def count_tokens(tokens_fn: Callable[[Any], int] | None, micro: Sequence[tuple[Any, Any]], reals: Sequence[int]) -> int:
+    """Tokens in one step's real samples (fillers excluded), from the loader's host tensors; 0 without ``tokens_fn``."""
+    if tokens_fn is None:
+        return 0
+    return sum(int(tokens_fn(inputs[:real])) for (inputs, _), real in zip(micro, reals, strict=True) if real)
+
+
+class PrometheusSink(MetricsSink):
+    """Per-rank metrics on ``host:port`` (``port`` 0: the OS picks one); each rank serves its own registry.
+
+    Updates come from host timers and values the loop already read: no collective, no device sync, no I/O.
+    The HTTP server runs in prometheus-client's thread, so it answers while this rank is inside a long step.
+    """
+
+    def __init__(self, host: str, port: int, world: Any, device: str = "cpu", backend: str = "none",
+                 base_port: int | str | None = None, allreduce_timing: bool = True) -> None:  # fmt: skip
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+        from service import __version__
+
+        self.registry = CollectorRegistry()
+        self.labels = metric_labels(world)
+        names = list(LABELS)
+
+        def metric(kind, name, doc, **kwargs):  # noqa: ANN001, ANN003, ANN202 - a local shorthand
+            return kind(PREFIX + name, doc, names, registry=self.registry, **kwargs).labels(**self.labels)
+
+        def histogram(name: str, doc: str) -> Any:
+            return metric(Histogram, name, doc, buckets=BUCKETS)
+
+        self.samples = metric(Counter, "samples", "Training samples this rank consumed (real samples, no fillers).")
+        self.tokens = metric(Counter, "tokens", "Training tokens this rank consumed, where the task counts them.")
+        self.steps = metric(Counter, "steps", "Optimizer steps taken by this rank.")
+        self.step_seconds = histogram("step_seconds", "Wall time of one optimizer step, data wait included.")
+        self.data_wait = histogram("data_wait_seconds", "Time one optimizer step was blocked waiting for batches.")
+        self.allreduce = histogram("allreduce_seconds", "Wall time gradient all-reduce was in flight in one step.")
+        self.collective_wait = histogram("collective_wait_seconds", "Time one step spent in its other collectives: "
+                                         "DDP's buffer broadcast and SyncBatchNorm's all-reduces.")  # fmt: skip
+        self.loss = metric(Gauge, "loss", "Mean training loss over the last logging window.")
+        self.lr = metric(Gauge, "learning_rate", "The learning rate at the last logging step.")
+        self.epoch = metric(Gauge, "epoch", "The epoch being trained (from 0).")
+        self.global_step = metric(Gauge, "global_step", "Optimizer steps of the whole run, at the last logging step.")
+        self.throughput = metric(Gauge, "samples_per_second", "This rank's training throughput.")
+        self.eval_metric = metric(Gauge, "eval_metric", "The task's eval metric after the last evaluation.")
+        self.checkpoint_seconds = histogram("checkpoint_save_seconds", "Time to write one checkpoint (rank 0).")
+        self.checkpoint_last = metric(Gauge, "checkpoint_last_success_timestamp_seconds",
+                                      "Unix time of the last successful checkpoint save; 0 before any.")  # fmt: skip
+        self.checkpoint_failures = metric(Counter, "checkpoint_failures", "Checkpoint saves that failed.")
+        metric(Gauge, "restarts", "Restarts of the job so far (TORCHELASTIC_RESTART_COUNT).").set(world.restart_count)
+        metric(Gauge, "world_size", "Processes in the job's current world.").set(world.world_size)
+        import torch
+
+        metric(Info, "build", "Versions and the setup this rank runs with.").info(
+            {
+                "torch_version": str(torch.__version__),
+                "service_version": __version__,
+                "backend": backend,
+                "device": device,
+                "launcher": world.launcher,
+            }
+        )
+        self.cuda = device == "cuda"
+        self.max_memory = (
+            metric(Gauge, "device_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated at the last log step.")
+            if self.cuda
+            else None
+        )
+        self.allreduce_timer = AllreduceTimer() if allreduce_timing else None
+        self.wait_clock = WaitClock() if allreduce_timing else None
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            base = port - world.local_rank if base_port is None else base_port
+            raise OSError(
+                exc.errno,
+                f"The metrics server of local rank {world.local_rank} cannot listen on {host}:{port} "
+                f"({exc.strerror}): metrics.port={base} and each rank serves on metrics.port + LOCAL_RANK. "
+                f"Free port {port}, set metrics.port to a base with {world.local_world_size} free ports above it, "
+                "metrics.port=auto to let the OS pick, or 0 to turn the exporter off.",
+            ) from exc
+        self.port = int(self.server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def instrument(self, model: Any) -> None:
+        instrument_collectives(model, self.allreduce_timer, self.wait_clock)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        self.steps.inc()
+        self.samples.inc(rank_samples)
+        if tokens:
+            self.tokens.inc(tokens)
+        self.step_seconds.observe(step_seconds)
+        self.data_wait.observe(data_wait_seconds)
+        for timer, histogram in ((self.allreduce_timer, self.allreduce), (self.wait_clock, self.collective_wait)):
+            seconds = timer.take() if timer is not None else None
+            if seconds is not None:
+                histogram.observe(seconds)
+
+    def on_report(self, report: StepReport) -> None:
+        self.throughput.set(report.rank_samples_per_second)
+        self.loss.set(report.loss)
+        self.lr.set(report.lr)
+        self.epoch.set(report.epoch)
+        self.global_step.set(report.global_step)
+        if self.max_memory is not None:
+            import torch
+
+            self.max_memory.set(torch.cuda.max_memory_allocated())
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.eval_metric.set(report.metric)
+
+    def on_checkpoint(self, seconds: float, ok: bool) -> None:
+        if ok:
+            self.checkpoint_seconds.observe(seconds)
+            self.checkpoint_last.set(time.time())
+        else:
+            self.checkpoint_failures.inc()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

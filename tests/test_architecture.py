@@ -1,0 +1,139 @@
+"""The layer rule of docs/architecture.md, checked on the import graph of service/ (parsed, nothing imported).
+
+Every import counts: module level, function-local, and those under ``if TYPE_CHECKING:``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVICE = Path(__file__).resolve().parent.parent / "service"
+
+# Lower layers first; a module may import its own layer and those below it, never one above.
+LAYERS = ["base", "world", "state", "telemetry", "loop", "ops", "entry"]
+BASE = {"service", "service.config", "service.errors"}
+ENTRY = {"service.cli", "service.__main__"}
+HANDLERS = ("service.rendezvous.native", "service.rendezvous.dynamic")
+RDZV_TOP = {"service.rendezvous.factory", "service.rendezvous.plugin", "service.rendezvous.admin"}
+
+
+def layer(module: str) -> str:
+    if module in BASE or module.startswith("service.tasks"):
+        return "base"
+    if module in ENTRY:
+        return "entry"
+    if module.startswith("service.rendezvous"):
+        return "world"  # how a process joins its world; torchrun loads it through an entry point
+    name = module.split(".")[1]
+    if name not in LAYERS:
+        raise AssertionError(f"{module} sits in no layer: move it into one of the packages docs/architecture.md lists")
+    return name
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in SERVICE.rglob("*.py"):
+        parts = list(path.relative_to(SERVICE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The service modules that ``module`` imports anywhere in its file."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+    return {m for m in out if m in known and m != module}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {m: imports(m, p, set(found)) for m, p in found.items()}
+
+
+def violation(src: str, dst: str) -> str | None:
+    """Why ``src`` may not import ``dst``, or None."""
+    if src.startswith("service.tasks") and not dst.startswith("service.tasks"):
+        return "service.tasks imports nothing of the service but its own base types"
+    if src.startswith("service.rendezvous") and not dst.startswith("service.rendezvous") and dst != "service":
+        return "service.rendezvous is loaded by torchrun on its own and imports only itself"
+    for own in HANDLERS:
+        if src.startswith(own):
+            other = next(h for h in HANDLERS if h != own)
+            if dst.startswith(other):
+                return f"the two rendezvous handlers are independent: {own} may not import {other}"
+            if dst in RDZV_TOP:
+                return f"a handler may not import what builds or drives it ({dst})"
+    a, b = layer(src), layer(dst)
+    if LAYERS.index(b) > LAYERS.index(a):
+        allowed = ", ".join(LAYERS[: LAYERS.index(a) + 1])
+        return f"layer {a!r} may import only itself and the layers below it ({allowed}), not {b!r}"
+    return None
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    bad = [
+        f"{src} imports {dst}: {why}"
+        for src, dsts in sorted(graph().items())
+        for dst in sorted(dsts)
+        if (why := violation(src, dst))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import cycles (TYPE_CHECKING and function-local imports count):\n" + "\n".join(cycles)
+
+
+def test_the_rule_catches_an_upward_import() -> None:
+    assert violation("service.world.env", "service.loop.train")
+    assert violation("service.state.checkpoint", "service.telemetry.metrics")
+    assert violation("service.tasks.shapes", "service.config")
+    assert violation("service.rendezvous.native.handler", "service.rendezvous.dynamic.backend")
+    assert violation("service.rendezvous.native.handler", "service.rendezvous.factory")
+    assert violation("service.loop.train", "service.cli")
+    assert violation("service.loop.train", "service.state.resume") is None
+    assert violation("service.cli", "service.rendezvous.admin") is None
+    try:
+        layer("service.stray")
+    except AssertionError as exc:
+        assert "service.stray sits in no layer" in str(exc)
+    else:
+        raise AssertionError("a module outside the packages has no layer")
+
+
+def test_imports_seen_in_functions_and_type_checking(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.loop import train\n"
+        "def f():\n    from .metrics import EvalReport\n    import service.config\n"
+    )
+    known = {"service.loop", "service.loop.train", "service.telemetry.metrics", "service.config"}
+    assert imports("service.telemetry.m", path, known) == known
