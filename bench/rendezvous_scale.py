@@ -102,8 +102,10 @@ def _handler(impl: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: i
         local_addr="127.0.0.1",
         impl=impl,
         join_timeout=str(limit),
-        read_timeout="30",  # hundreds of processes start at once on 2 cores: the first requests can be slow
-        **LIVENESS,
+        # Hundreds of processes start at once on 2 cores: the first requests can be slow. A request deadline
+        # must stay under the liveness timeout less one interval (options.py), so the node lease is longer here.
+        read_timeout="30",
+        **{**LIVENESS, "keep_alive_max_attempt": "32"},
     )
     return get_rendezvous_handler(params)
 
