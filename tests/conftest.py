@@ -25,6 +25,23 @@ QUICK = (
 )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most real-process (e2e) tests run first, each file's tests in their own order.
+
+    ``make test`` hands whole files to two workers (``--dist loadfile``) in collection order, so a heavy
+    file collected last (the Slurm or resume files, alphabetically late) ran alone at the end while the
+    other worker idled. Longest first keeps both busy to the end.
+    """
+    def path(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    weight: dict[str, int] = {}
+    for item in items:
+        weight[path(item)] = weight.get(path(item), 0) + (item.get_closest_marker("e2e") is not None)
+    order = {name: index for index, name in enumerate(dict.fromkeys(path(item) for item in items))}
+    items.sort(key=lambda item: (-weight[path(item)], order[path(item)]))
+
+
 def require_tool(name: str, why: str = "`make test` installs the test dependencies.") -> str:
     """Path of an executable (this venv's first); a skip that says why, or a failure under CI=true."""
     path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
