@@ -32,6 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     file collected last (the Slurm or resume files, alphabetically late) ran alone at the end while the
     other worker idled. Longest first keeps both busy to the end.
     """
+
     def path(item: pytest.Item) -> str:
         return item.nodeid.split("::")[0]
 
