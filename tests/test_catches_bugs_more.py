@@ -273,7 +273,7 @@ from pathlib import Path
 
 import torch
 
-from service import orphans
+from service.world import orphans
 from service.state.checkpoint_io import write_checkpoint
 from service.world.env import detect_world
 from service.telemetry.logs import configure_logging

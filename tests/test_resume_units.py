@@ -282,7 +282,7 @@ _CRASH_BEFORE_RENAME = """
 import os, sys
 from pathlib import Path
 import torch
-from service import checkpoint_io
+from service.state import checkpoint_io
 checkpoint_io.os.replace = lambda *args: os._exit(9)  # the process dies between write and rename
 checkpoint_io.write_checkpoint(Path(sys.argv[1]), 3, {"format": 1, "model": {"w": torch.ones(4)}}, "0" * 64)
 """
