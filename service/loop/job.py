@@ -96,6 +96,7 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
         "checkpoint": {
             "last": str(job.roles.checkpointer.last_path or "") or None,
             "failures": job.roles.checkpointer.failures,
+            "best": job.roles.checkpointer.best.describe() if job.roles.checkpointer.best else None,
         },
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,

@@ -41,6 +41,7 @@ from service.state.resume import (
     restore,
     rng_state,
 )
+from service.state.weights import init_model
 from service.tasks.loader import load_task
 from service.telemetry.metrics import EvalReport, StepReport, count_tokens
 from service.world.distributed import DistContext, any_rank
@@ -103,11 +104,13 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     torch.manual_seed(config.seed)
     task = load_task(config.task, config.seed, config.task_options)
     train = config.train
-    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
     checkpoints = Path(config.run_dir) / "checkpoints"
     own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
                                   config.checkpoint.resume, own)  # fmt: skip
+    if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
+        init_model(task.model, config.init_from.path, config.init_from.strict)
+    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
     if resumed is not None:
         check_compatible(resumed, config)
     state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
@@ -342,6 +345,8 @@ def train(job: Job) -> dict[str, Any]:
             report = evaluate(job, state)
             if outcome == "epoch":
                 state.epoch, state.cursor = state.epoch + 1, 0
+            results = {"loss": report.loss, report.metric_name: report.metric}  # checkpoint.best ranks by one
+            job.roles.checkpointer.on_eval(state.global_step, results, lambda: checkpoint_state(job, state))
             if state.global_step >= job.total_steps:
                 break
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
