@@ -90,7 +90,7 @@ def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:
     steps = saved_steps(directory)
     if not steps:
         raise WeightsError(f"{run_dir} holds no checkpoint (no {directory}/step-NNNNNNNN.json); point it at "
-                           "the run_dir of a run that saved one (checkpoint.every_steps, or its last step)")  # fmt: skip
+                           "the run_dir of a run that saved one (checkpoint.every_steps, or its end)")  # fmt: skip
     if which == "latest":
         return directory, steps[0]
     if which == "best":
