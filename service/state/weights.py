@@ -232,7 +232,11 @@ def load_weights(model: nn.Module, weights: Mapping[str, Tensor], source: str, s
 
 def init_model(model: nn.Module, path: str | Path, strict: bool = True) -> None:
     """``init_from``: load a weights file into a freshly built model, before it is wrapped."""
-    loaded = load_weights(model, read_weights(Path(path)), str(path), strict)
+    try:
+        weights = read_weights(Path(path))
+    except WeightsError as exc:
+        raise WeightsError(f"init_from: {exc}") from None
+    loaded = load_weights(model, weights, str(path), strict)
     log.info("init_from: loaded %d tensors from %s", loaded, path)
 
 
