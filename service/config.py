@@ -116,6 +116,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate every N optimizer steps and at the end; null: at each epoch's end."
+    )
     progress_bar: bool = True
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="A step whose gradient norm is inf/nan: stop (fail, naming the step) or skip its update."
