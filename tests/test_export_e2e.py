@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 TINY = ("task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=16",
         "task_options.width=4", "checkpoint.every_steps=2", "checkpoint.keep=2",
-        "checkpoint.best={metric: loss, mode: max}", "train.epochs=10")  # fmt: skip
+        "checkpoint.best={metric: loss, mode: max}", "train.epochs=10", "train.eval_every=4")  # fmt: skip
 
 
 def evals(output: str) -> dict[int, float]:

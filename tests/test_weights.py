@@ -287,7 +287,13 @@ def test_an_unknown_best_metric_fails_on_every_rank_naming_the_metrics_that_exis
     rule = BestRule("acc", "max")
     for saver in (Checkpointer(rule), Rank0Checkpointer(tmp_path, 1, 2, HASH, "stop", False, best_rule=rule)):
         with pytest.raises(BestMetricError, match=r"reports only dice, loss\. Set checkpoint.best.metric"):
+            saver.check_metrics(["loss", "dice"])  # before training: the names the evaluation will report
+        with pytest.raises(BestMetricError, match=r"reports only dice, loss\. Set checkpoint.best.metric"):
             saver.on_eval(1, {"loss": 1.0, "dice": 0.5}, lambda: small_state(1))
+        with pytest.raises(BestMetricError, match="reports no evaluation"):
+            saver.check_metrics([])
+    Checkpointer(rule).check_metrics(["loss", "acc"])
+    Checkpointer().check_metrics([])
     assert not list(tmp_path.iterdir())
 
 

@@ -166,6 +166,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         autocast=autocast,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
     return job
 
@@ -283,6 +284,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             return stop
         if eval_every and state.global_step % eval_every == 0 and state.global_step < job.total_steps:
             evals.append(evaluate(job, state))
+            keep_if_best(job, state, evals[-1])  # checkpoint.best
             job.model.train()
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
@@ -322,6 +324,12 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     job.scheduler.evaluated(means)
     job.roles.sink.on_eval(report)
     return report
+
+
+def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
+    """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
+    if report is not None:
+        job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
 
 
 def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
@@ -365,12 +373,13 @@ def train(job: Job) -> dict[str, Any]:
                 break
             if outcome == "epoch":
                 state.epochs_completed += 1
-            if every_epoch or state.global_step >= job.total_steps:
+            evaluated = every_epoch or state.global_step >= job.total_steps
+            if evaluated:
                 evals.append(evaluate(job, state))
             if outcome == "epoch":
                 state.epoch, state.cursor = state.epoch + 1, 0
-            results = {"loss": report.loss, report.metric_name: report.metric}  # checkpoint.best ranks by one
-            job.roles.checkpointer.on_eval(state.global_step, results, lambda: checkpoint_state(job, state))
+            if evaluated:  # checkpoint.best, once the epoch's end is in the state (a resume starts the next one)
+                keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))

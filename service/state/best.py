@@ -56,6 +56,11 @@ class BestRule:
 
     def value_of(self, results: Mapping[str, float]) -> float:
         """The ranked value among an evaluation's results; :class:`BestMetricError` when there is none."""
+        if not results:
+            raise BestMetricError(
+                f"checkpoint.best ranks by {self.metric!r}, but this task reports no evaluation (its eval set is "
+                "empty). Give the task an eval set, or set checkpoint.best=null."
+            )
         if self.metric not in results:
             raise BestMetricError(
                 f"checkpoint.best.metric is {self.metric!r}, but the evaluation reports only "

@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,11 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Save nothing more: run_dir's lock was lost, another job may own the directory now."""
+
+    def check_metrics(self, names: Sequence[str]) -> None:
+        """Before training: ``checkpoint.best`` ranks by one of the names the evaluation will report."""
+        if self.best_rule is not None:
+            self.best_rule.value_of(dict.fromkeys(names, 0.0))
 
     def on_eval(self, global_step: int, results: Mapping[str, float], state: StateFn) -> None:
         """After each evaluation (``results``: name → value): keep this step's checkpoint if it is the best so far."""
@@ -159,8 +164,8 @@ class Rank0Checkpointer(Checkpointer):
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         self._report_background()
-        if self.fenced or not self.every_steps or global_step % self.every_steps:
-            return
+        if self.fenced or not self.every_steps or global_step % self.every_steps or global_step == self.saved_step:
+            return  # (saved already: checkpoint.best kept this step when it was evaluated)
         staging, writer = self._staging, self._writer
         if staging is None or writer is None:
             self._write(global_step, state())
