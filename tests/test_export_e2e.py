@@ -1,5 +1,5 @@
 """Issue 17 under real torchrun: init_from a safetensors file, the best checkpoint across pruning and a resume, and
-the export of what the run wrote. Two short runs (2 ranks, then 1), about 30 s on a loaded 2-core machine."""
+the export of what the run wrote. Two short runs (2 ranks, then 1; evaluated every 4 steps, an epoch), about 25 s."""
 
 from __future__ import annotations
 

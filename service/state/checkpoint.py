@@ -226,7 +226,8 @@ class Rank0Checkpointer(Checkpointer):
             try:
                 write_best(self.directory, record)
             except OSError as exc:
-                self.failures += 1
+                with self._lock:
+                    self.failures += 1
                 self._handle(CheckpointWriteError(describe_write_error(exc, self.directory / "best.json")))
                 return
             previous, self.best, self._pointed = self.best, record, global_step
