@@ -177,3 +177,39 @@ def test_own_step_task_trains_with_padded_batches_and_two_exact_eval_means(tmp_p
 
 def re_steps(output: str) -> list[str]:
     return re.findall(r"\[rank 0\] INFO eval epoch \d+ step (\d+) loss [\d.]+ accuracy [\d.]+", output)
+
+
+@pytest.mark.e2e
+def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_once(tmp_path: Path) -> None:
+    """dict_lm (dict batches, step_fn, its own AdamW groups and StepLR): SIGTERM at 2 ranks, at 1, finish at 3."""
+    from test_resume_e2e import manifest_steps, preempt_agent_at, read_trace
+
+    length, global_batch, epochs = 48, 12, 2
+    job = ("task=own_step_tasks:dict_lm", f"task_options.train_size={length}", "task_options.sleep=0.05",
+           "train.batch_size=2", f"train.global_batch_size={global_batch}", f"train.epochs={epochs}",
+           "train.log_every=1", "checkpoint.every_steps=2", "data.trace=true")  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = preempt_agent_at(run_dir, 2, 1, *job)
+    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job)
+    assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < epochs * length // global_batch
+    assert second["resumed_from"]["step"] == first["stopped_at_step"] and manifest_steps(run_dir)
+    run_job(run_dir, 3, *job)
+    final = read_summary(run_dir)
+    steps = epochs * length // global_batch
+    assert final["status"] == "completed" and final["world_size"] == 3
+    assert (final["global_step"], final["samples_seen"], final["global_batch_size"]) == (steps, epochs * length,
+                                                                                       global_batch)  # fmt: skip
+    trace = read_trace(run_dir)
+    assert {line["world_size"] for line in trace} == {1, 2, 3}
+    for epoch in range(epochs):
+        seen = sorted(index for line in trace if line["epoch"] == epoch for index in line["indices"])
+        assert seen == list(range(length)), f"epoch {epoch}: a sample is missing or repeated"
+    assert sum(1 for line in trace if line["rank"] == 0) == steps  # no step ran twice
+    # The task's own optimizer and schedule came through both resumes: its two groups, and the StepLR that
+    # stepped once per optimizer step of the whole run (step_size = total // 3 = 2: three halvings by step 8).
+    state = torch.load(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1], weights_only=True)
+    assert [group["weight_decay"] for group in state["optimizer"]["param_groups"]] == [0.1, 0.0]
+    assert state["scheduler"]["last_epoch"] == steps
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(3e-3 * 0.5 ** (steps // 2))
+    assert final["eval_metric"]["name"] == "token_accuracy"
+    assert set(final["eval_metrics"]) == {"loss", "token_accuracy"}
