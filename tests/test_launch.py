@@ -178,6 +178,7 @@ def test_launch_runs_a_job_to_completion_and_passes_torchrun_options_through(tmp
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=launch-test", SHAPES,
         "--log-dir", str(log_dir), "--tee=3", "--max-restarts=1", "--set", f"run_dir={run_dir}",
         "--set", "train.max_steps=4", "--set", "task_options.image_size=16",
+        "--set", "logging.all_ranks=true",  # each rank's own "done:" line in its torchrun log file
     )  # fmt: skip
     assert finish(proc, watcher) == 0, watcher.text()[-4000:]
     summary = read_summary(run_dir)

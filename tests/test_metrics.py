@@ -274,11 +274,13 @@ def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_p
 
 # -- a real job under torchrun --------------------------------------------------------------------------------
 
+# logging.all_ranks: rank 1's "metrics on http://..." line says which port the OS gave it
 LONG_JOB = (
     "task=slow_tasks:slow_shapes", "task_options.image_size=16", "task_options.sleep=0.02",
     "task_options.train_size=80", "task_options.eval_size=8", "task_options.tokens_per_sample=3",
     "task_options.long_step_at=6", "task_options.long_step_seconds=5", "task_options.long_step_ranks=[1]",
     "train.batch_size=4", "train.epochs=1", "train.log_every=1", "checkpoint.every_steps=2", "metrics.port=auto",
+    "logging.all_ranks=true",
 )  # fmt: skip
 
 
