@@ -173,7 +173,8 @@ class MetricsConfig(_Section):
 
 class LoggingConfig(_Section):
     all_ranks: bool = Field(
-        False, description="Every rank logs INFO lines (each step line then adds that rank's own numbers); "
+        False,
+        description="Every rank logs INFO lines (each step line then adds that rank's own numbers); "
         "false: rank 0 logs the world's numbers and the other ranks only warnings and errors.",
     )
 
