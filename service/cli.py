@@ -100,7 +100,7 @@ def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -
     return _record(_train)(config, world, preemption, terminal)
 
 
-def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool = False) -> int:
+def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
     from service.state.consistency import ConfigMismatchError
     from service.state.resume import ResumeError
 
