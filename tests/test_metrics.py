@@ -120,7 +120,8 @@ def test_calls_update_the_registry(sink):
     get = sink.registry.get_sample_value
     sink.on_step(8, 0.2, 0.05)
     sink.on_step(6, 3.0, 0.0005, tokens=30)
-    sink.on_report(StepReport(2, 10, 1, 0.5, 0.01, 14, 123.0))
+    sink.on_report(StepReport(2, 10, 1, 0.5, 0.01, 14, 123.0, world_loss=0.75, world_samples_per_second=500.0,
+                              seconds_per_step=0.1))  # fmt: skip
     sink.on_checkpoint(1.5, True)
     sink.on_checkpoint(0.2, False)
     assert get("ddp_train_samples_total", LABEL_VALUES) == 14
