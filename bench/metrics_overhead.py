@@ -88,7 +88,7 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
 
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
-    states = {mode: (LoopState(), _Window(job.device)) for mode, job in jobs.items()}
+    states = {mode: (LoopState(), _Window(job.device, job.world_sum)) for mode, job in jobs.items()}
     times: dict[str, list[float]] = {mode: [] for mode in jobs}
     for epoch in range(epochs):
         for mode in ("off", "on") if epoch % 2 == 0 else ("on", "off"):

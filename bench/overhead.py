@@ -111,7 +111,7 @@ def _time_service_epochs(job, epochs: int) -> list[float]:  # noqa: ANN001 - a s
     from service.loop.job import LoopState
     from service.loop.train import _Window, train_epoch
 
-    state, window, times = LoopState(), _Window(job.device), []
+    state, window, times = LoopState(), _Window(job.device, job.world_sum), []
     for epoch in range(epochs):
         state.epoch, state.cursor = epoch, 0
         dist.barrier()

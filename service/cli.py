@@ -97,24 +97,26 @@ def _record(function):  # noqa: ANN001, ANN202
 
 
 def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
-    from service.telemetry.logs import configure_logging
+    from service.telemetry.logs import configure_logging, log_level
 
-    configure_logging(world.rank)
-    return _record(_train)(config, world, preemption)
+    configure_logging(world.rank, log_level(world.rank, config.logging.all_ranks))
+    terminal = sys.stderr.isatty()  # decided once: a progress bar on a terminal, plain lines elsewhere
+    return _record(_train)(config, world, preemption, terminal)
 
 
-def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
+def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
     from service.state.consistency import ConfigMismatchError
+    from service.state.resume import ResumeError
     from service.state.weights import WeightsError
 
     try:
-        return _train_in_group(config, world, preemption)
-    except (ConfigMismatchError, WeightsError) as exc:  # at start, before any step: no traceback, a code wrappers read
+        return _train_in_group(config, world, preemption, terminal)
+    except (ConfigMismatchError, ResumeError, WeightsError) as exc:  # at start, on every rank: no traceback; exit 2
         log.error("%s", exc)
         return exc.exit_code
 
 
-def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
+def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
     from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
     from service.world.distributed import distributed
     from service.world.orphans import guard_against_orphaning
@@ -123,7 +125,7 @@ def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption)
     guard_against_orphaning(world)  # before anything that could outlive a dead agent
     guard = build_run_dir_guard(config, world)
     with guard.held(), distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
-        summary = _run_job(config, world, dist_ctx, preemption, guard)
+        summary = _run_job(config, world, dist_ctx, preemption, guard, terminal)
     if summary["status"] == "lock_lost":
         log.error("stopped at step %d without a checkpoint: %s", summary["global_step"],
                   summary["error"] or "rank 0 lost the run_dir lock; another job may own run_dir now")  # fmt: skip
@@ -139,11 +141,11 @@ def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption)
 
 
 def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
-             guard: RunDirGuard) -> dict:  # fmt: skip
+             guard: RunDirGuard, terminal: bool) -> dict:  # fmt: skip
     """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
     from service.loop.train import build_job, train
 
-    job = build_job(config, world, dist_ctx, preemption)
+    job = build_job(config, world, dist_ctx, preemption, terminal)
     try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
         with guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock):
             return train(job)

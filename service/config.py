@@ -10,8 +10,9 @@ expanded.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -181,6 +182,14 @@ class MetricsConfig(_Section):
     )
 
 
+class LoggingConfig(_Section):
+    all_ranks: bool = Field(
+        False,
+        description="Every rank logs INFO lines (each step line then adds that rank's own numbers); "
+        "false: rank 0 logs the world's numbers and the other ranks only warnings and errors.",
+    )
+
+
 class DDPConfig(_Section):
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
@@ -229,6 +238,7 @@ class JobConfig(_Section):
     metrics: MetricsConfig = MetricsConfig()
     ddp: DDPConfig = DDPConfig()
     dist: DistConfig = DistConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @field_validator("task")
     @classmethod
@@ -363,31 +373,79 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(data: Mapping[str, Any], source: str = "The job config") -> JobConfig:
-    """Validate a plain mapping; every error is collected into one :class:`ConfigError`."""
+def build_config(data: Mapping[str, Any], source: str = "The job config",
+                 overrides: Mapping[str, str] | None = None, file_source: str | None = None) -> JobConfig:  # fmt: skip
+    """Validate a plain mapping; every error is collected into one :class:`ConfigError`.
+
+    ``overrides`` maps each ``--set`` key to its text, so an error in a value
+    the command line set names that ``--set`` (and the error is the command
+    line's, not the file's); ``file_source`` names the file for the others.
+    """
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([_format_error(error) for error in exc.errors()], source) from exc
+        overrides = overrides or {}
+        lines, from_line = [], 0
+        for error in exc.errors():
+            given = _given_by(error["loc"], overrides)
+            from_line += given is not None
+            lines.append(_format_error(error, given))
+        if overrides and from_line == len(lines):
+            source = "The command line"
+        elif from_line:
+            source = f"{file_source or 'The job config'} with the command line's --set options"
+        raise ConfigError(lines, source) from exc
 
 
-def _format_error(error: Mapping[str, Any]) -> str:
+def _given_by(loc: tuple[Any, ...], overrides: Mapping[str, str]) -> tuple[str, str] | None:
+    """(key, text) of the ``--set`` that set the value at ``loc``, a value above it, or one inside it."""
+    path = [str(part) for part in loc]
+    for depth in range(len(path), 0, -1):
+        key = ".".join(path[:depth])
+        if key in overrides:
+            return key, overrides[key]
+    inside = [key for key in overrides if path and key.startswith(".".join(path) + ".")]
+    return (inside[0], overrides[inside[0]]) if inside else None
+
+
+def config_keys(model: type[BaseModel] = JobConfig, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the config, sections included (``train``, ``train.lr``, ..., ``checkpoint.async``)."""
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        yield key
+        if isinstance(field.annotation, type) and issubclass(field.annotation, _Section):
+            yield from config_keys(field.annotation, f"{key}.")
+
+
+def nearest_key(key: str) -> str | None:
+    """The valid dotted key closest to a mistyped one (difflib's ratio, at least 0.6), if any is close."""
+    match = difflib.get_close_matches(key, list(config_keys()), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _format_error(error: Mapping[str, Any], given: tuple[str, str] | None = None) -> str:
     path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    origin = f", given as --set {given[1]}" if given is not None else ""
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        return f"{path}: unknown key; check the spelling against the README's config reference"
+        typed = given[0] if given is not None and given[0].startswith(f"{path}.") else path  # trian.lr, not trian
+        nearest = nearest_key(typed)
+        hint = f"did you mean {nearest}?" if nearest else "check the spelling against the README's config reference"
+        return f"{path}: unknown key{origin}; {hint}"
     if error["type"] == "finite_number":
         message = _NOT_FINITE
     if "input" in error and not isinstance(error["input"], (dict, list)):
         message = f"{message} (got {error['input']!r})"
-    return f"{path}: {message}"
+    return f"{path}: {message}{origin}"
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobConfig:
     """The whole config pipeline: file (optional) → overrides → validated :class:`JobConfig`."""
+    overrides = list(overrides)
     data = read_yaml(path) if path is not None else {}
     source = f"The config file {path}" if path is not None else "The job config"
-    return build_config(apply_overrides(data, overrides), source)
+    given = {key.strip(): text for text in overrides for key, sep, _ in [text.partition("=")] if sep}
+    return build_config(apply_overrides(data, overrides), source, given, source if path is not None else None)
 
 
 def config_as_yaml(config: JobConfig) -> str:

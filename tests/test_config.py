@@ -14,7 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from service.config import MAX_DEPTH, MAX_VALUES, ConfigError, JobConfig, apply_overrides, load_config
+from service.config import (
+    MAX_DEPTH,
+    MAX_VALUES,
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    config_keys,
+    load_config,
+    nearest_key,
+)
 
 
 def test_defaults_are_a_valid_job():
@@ -178,3 +187,37 @@ def test_deep_or_aliased_config_is_refused_with_its_limits(tmp_path):
         load_config(None, ["task_options.x=[&a [1,2,3,4,5,6,7,8,9,10], " + ", ".join(["*a"] * 10_000) + "]"])
     with pytest.raises(ConfigError, match="the config with its --set overrides nests"):
         load_config(None, ["task_options." + ".".join(["k"] * MAX_DEPTH) + "=1"])
+
+
+def test_a_mistyped_set_key_is_the_command_lines_error_with_the_nearest_key():
+    """Issue 17: `--set train.lrr=0.1` was reported as an error of "the config file", with no suggestion."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.lrr=0.1"])
+    assert str(info.value).startswith("The command line has 1 error(s)")
+    assert info.value.errors == ["train.lrr: unknown key, given as --set train.lrr=0.1; did you mean train.lr?"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trian.lr=0.1", "checkpoint.asycn=true"])
+    assert info.value.errors == [
+        "checkpoint.asycn: unknown key, given as --set checkpoint.asycn=true; did you mean checkpoint.async?",
+        "trian: unknown key, given as --set trian.lr=0.1; did you mean train.lr?",
+    ]
+
+
+def test_a_typo_in_the_file_is_the_files_error_and_a_mix_names_both(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  bach_size: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"The config file {path} has 1 error(s)")
+    assert info.value.errors == ["train.bach_size: unknown key; did you mean train.batch_size?"]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["train.lr=-1"])
+    assert str(info.value).startswith(f"The config file {path} with the command line's --set options has 2 error")
+    assert "train.lr: Input should be greater than 0 (got -1), given as --set train.lr=-1" in info.value.errors
+
+
+def test_every_key_suggests_itself_and_nonsense_suggests_nothing():
+    keys = list(config_keys())
+    assert {"train", "train.lr", "checkpoint.async", "logging.all_ranks", "task_options"} <= set(keys)
+    assert all(nearest_key(key) == key for key in keys)
+    assert nearest_key("zzzzqqq") is None

@@ -21,10 +21,11 @@ NNODES, NPROC, STEPS = 2, 4, 4
 
 
 def job(run_dir: Path) -> list[str]:
+    # logging.all_ranks: each node's log holds its own ranks' "done:" lines (rank 0 alone logs INFO otherwise)
     overrides = (f"run_dir={run_dir}", f"train.max_steps={STEPS}", "train.epochs=100", "train.batch_size=2",
                  "task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=16",
                  "train.progress_bar=false", "train.log_every=2", "checkpoint.every_steps=0",
-                 "metrics.tensorboard=true")  # fmt: skip
+                 "metrics.tensorboard=true", "logging.all_ranks=true")  # fmt: skip
     return ["-m", "service", "train", *(item for override in overrides for item in ("--set", override))]
 
 

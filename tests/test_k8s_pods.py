@@ -31,13 +31,14 @@ from rendezvous.conftest import _make_ca, _make_leaf, etcdctl, free_port, requir
 
 pytestmark = pytest.mark.e2e
 
-# A tiny job on top of the manifests' args, as one would append `--set`s to a pod's command.
+# A tiny job on top of the manifests' args, as one would append `--set`s to a pod's command. logging.all_ranks:
+# each pod's log holds its own ranks' step lines (which ranks a pod runs is what some tests check).
 TINY = [
     f"--set={item}"
     for item in (
         "task_options.train_size=1024", "task_options.eval_size=32", "task_options.image_size=32",
         "task_options.width=8", "train.global_batch_size=64", "train.epochs=1000", "data.num_workers=0",
-        "train.log_every=1", "metrics.port=auto", "metrics.tensorboard=false",
+        "train.log_every=1", "metrics.port=auto", "metrics.tensorboard=false", "logging.all_ranks=true",
     )
 ]  # fmt: skip
 USER, PASSWORD, HMAC = "ddp", "pw-" + os.urandom(8).hex(), "hmac-key-" + os.urandom(12).hex()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,6 +179,7 @@ def test_launch_runs_a_job_to_completion_and_passes_torchrun_options_through(tmp
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=launch-test", SHAPES,
         "--log-dir", str(log_dir), "--tee=3", "--max-restarts=1", "--set", f"run_dir={run_dir}",
         "--set", "train.max_steps=4", "--set", "task_options.image_size=16",
+        "--set", "logging.all_ranks=true",  # each rank's own "done:" line in its torchrun log file
     )  # fmt: skip
     assert finish(proc, watcher) == 0, watcher.text()[-4000:]
     summary = read_summary(run_dir)
@@ -300,3 +302,66 @@ def test_sigterm_while_a_resuming_worker_starts_up_ends_preempted_at_the_resumed
     summary = read_summary(run_dir)
     assert (summary["status"], summary["stopped_at_step"], summary["resumed_from"]["step"]) == ("preempted", 3, 3)
     assert "[rank 0] INFO step 4/" not in watcher.text()
+
+
+def test_launch_help_leads_with_launchs_own_usage_then_torchruns_options():
+    """Issue 17: `launch --help` printed torchrun's help (its training_script positional) under launch's name."""
+    done = subprocess.run([sys.executable, "-m", "service", "launch", "--nnodes=2", "--help"], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert text.startswith("usage: ddp-service launch [job.yaml] [--set KEY=VALUE ...]"), text[:300]
+    own, torchrun = text.split("torchrun's options, passed through unchanged")
+    assert "launch's own arguments" in own and "--set KEY=VALUE" in own and "--nproc-per-node auto|N" in own
+    assert "--standalone" in own and "75 preempted" in own  # what launch adds, before torchrun's options
+    assert "--rdzv-backend" in torchrun and "--max-restarts" in torchrun and "--nproc-per-node" not in torchrun
+    assert "training_script" not in text and "--no-python" not in text  # launch's job file; refused options
+
+
+def logged_steps(text: str) -> dict[tuple[int, int], float]:
+    """(rank, step) -> the loss of each `INFO step` line."""
+    found = re.findall(r"\[rank (\d+)\] INFO step (\d+)/\d+ epoch \d+ loss ([\d.]+) ", text)
+    return {(int(rank), int(step)): float(loss) for rank, step, loss in found}
+
+
+@pytest.mark.e2e
+def test_rank0_alone_logs_the_world_mean_loss_without_a_bar_and_a_refused_resume_exits_2_with_its_message(tmp_path):
+    """Issue 17: every rank logged its own loss and throughput; tqdm's carriage returns went into log files; a
+    resume refused for a changed config exited 1 inside a traceback.
+
+    2 CPU processes, 4 steps, logged every 2, the bar asked for but stderr a pipe. Rank 0's line has the world's
+    mean loss, the mean of the ranks' own losses in their TensorBoard dirs; rank 1 logs no INFO line. Then the
+    same run_dir with another lr: each worker logs the refusal alone and launch exits 2."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    job = ("--set", f"run_dir={run_dir}", "--set", "task_options.image_size=16", "--set", "train.log_every=2",
+           "--set", "train.max_steps=4", "--set", "train.progress_bar=true",
+           "--set", "metrics.tensorboard=true")  # fmt: skip
+    done = subprocess.run(launch_cmd(*job), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "\r" not in output  # no bar off a terminal: one plain line per log step
+    steps = logged_steps(output)
+    assert sorted(steps) == [(0, 2), (0, 4)], output[-4000:]
+    assert not re.search(r"\[rank 1\] INFO", output), output[-4000:]  # warnings and errors only
+    for step in (2, 4):
+        own = []
+        for rank in (0, 1):
+            events = EventAccumulator(str(run_dir / "tensorboard" / f"rank{rank}"))
+            events.Reload()
+            own.append({event.step: event.value for event in events.Scalars("train/loss")}[step])
+        assert own[0] != own[1] and steps[(0, step)] == pytest.approx(sum(own) / 2, abs=1e-4), (step, own)
+
+    started = time.monotonic()
+    refused = subprocess.run(launch_cmd(*job, "--set", "train.lr=0.01", "--set", "train.max_steps=6"), cwd=REPO,
+                             env=child_env(), capture_output=True, text=True, timeout=150)  # fmt: skip
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 2, output[-4000:]
+    for rank in (0, 1):
+        refusal = (rf"\[rank {rank}\] ERROR run_dir holds checkpoint \S+step-00000004\.pt \(step 4\) of a run "
+                   r"whose config differs .*train\.lr \(0\.05 -> 0\.01\)\. ")  # fmt: skip
+        assert re.search(refusal, output), output[-4000:]
+    assert "Traceback" not in output and "launch: exit 2 (bad input" in output
+    assert read_summary(run_dir)["global_step"] == 4  # nothing trained or written over
+    print(f"refused resume: exit 2 in {time.monotonic() - started:.1f} s")

@@ -134,7 +134,8 @@ def test_calls_update_the_registry(sink):
     get = sink.registry.get_sample_value
     sink.on_step(8, 0.2, 0.05)
     sink.on_step(6, 3.0, 0.0005, tokens=30)
-    sink.on_report(StepReport(2, 10, 1, 0.5, 0.01, 14, 123.0))
+    sink.on_report(StepReport(2, 10, 1, 0.5, 0.01, 14, 123.0, world_loss=0.75, world_samples_per_second=500.0,
+                              seconds_per_step=0.1))  # fmt: skip
     sink.on_checkpoint(1.5, True)
     sink.on_checkpoint(0.2, False)
     assert get("ddp_train_samples_total", LABEL_VALUES) == 14
@@ -288,11 +289,13 @@ def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_p
 
 # -- a real job under torchrun --------------------------------------------------------------------------------
 
+# logging.all_ranks: rank 1's "metrics on http://..." line says which port the OS gave it
 LONG_JOB = (
     "task=slow_tasks:slow_shapes", "task_options.image_size=16", "task_options.sleep=0.02",
     "task_options.train_size=80", "task_options.eval_size=8", "task_options.tokens_per_sample=3",
     "task_options.long_step_at=6", "task_options.long_step_seconds=5", "task_options.long_step_ranks=[1]",
     "train.batch_size=4", "train.epochs=1", "train.log_every=1", "checkpoint.every_steps=2", "metrics.port=auto",
+    "logging.all_ranks=true",
 )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +70,7 @@ class Job:
     resumed: Resumed | None
     total_steps: int
     autocast: Callable[[], contextlib.AbstractContextManager]
+    world_sum: Callable[[Sequence[float]], list[float]]  # a collective over the control group: host numbers summed
 
 
 def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,

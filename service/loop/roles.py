@@ -14,9 +14,9 @@ from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
     MetricsSink,
-    ProgressSink,
     PrometheusSink,
     TensorBoardSink,
+    progress_sink,
 )
 from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
 from service.world.env import WorldInfo
@@ -42,13 +42,17 @@ class Roles:
 
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
                 device_is_cuda: bool = False, resumed_step: int | None = None,
-                lineage: str | None = None, backend: str = "none") -> Roles:  # fmt: skip
-    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces."""
+                lineage: str | None = None, backend: str = "none", terminal: bool = False) -> Roles:  # fmt: skip
+    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces.
+
+    ``terminal``: stderr is a terminal (read once at start): the bar then, else none (the log lines say as much).
+    Which ranks' log lines print is the logger's level, set at start (:func:`~service.telemetry.logs.log_level`).
+    """
     run_dir = Path(config.run_dir)
     is_rank0 = world.rank == 0
-    sinks: list[MetricsSink] = [LogSink()]
+    sinks: list[MetricsSink] = [LogSink(own=config.logging.all_ranks)]
     if is_rank0 and config.train.progress_bar:
-        sinks.append(ProgressSink(total_steps))
+        sinks.append(progress_sink(total_steps, terminal))
     if config.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
     base_port = config.metrics.port

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import random
 import time
@@ -47,8 +48,10 @@ from service.state.resume import (
 from service.state.weights import init_model
 from service.tasks.loader import load_task
 from service.telemetry.metrics import EvalReport, StepReport
-from service.world.distributed import DistContext, any_rank
+from service.world.distributed import DistContext, any_rank, sum_across
 from service.world.env import WorldInfo
+
+log = logging.getLogger(__name__)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -95,11 +98,18 @@ def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> in
     if state.epoch < train.epochs:
         remaining = plan.steps_in_epoch(state.cursor) + (train.epochs - state.epoch - 1) * plan.steps_in_epoch(0)
     total = state.global_step + remaining
+    if train.max_steps and train.max_steps > total:
+        log.warning("train.max_steps=%d, but train.epochs=%d allow only %d optimizer steps (%d a full epoch at "
+                    "this global batch of %d): training stops at step %d. Raise train.epochs to reach "
+                    "train.max_steps.", train.max_steps, train.epochs, total, plan.steps_in_epoch(0),
+                    plan.global_batch, total)  # fmt: skip
     return min(total, train.max_steps) if train.max_steps else total
 
 
-def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None) -> Job:
-    """The job of this start; ``preemption``: the handlers the command installed first thing (else new ones)."""
+def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None,
+              terminal: bool = False) -> Job:  # fmt: skip
+    """The job of this start; ``preemption``: the handlers the command installed first thing (else new ones);
+    ``terminal``: stderr is a terminal (rank 0 draws a progress bar)."""
     global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
     check_same_config(config, world.world_size, dist_ctx.control)
     preemption = preemption or Preemption()
@@ -156,6 +166,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             resumed.step if resumed else None,
             resumed.state.get("lineage") if resumed else own,
             dist_ctx.backend,
+            terminal,
         ),
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
@@ -164,6 +175,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         resumed=resumed,
         total_steps=total_steps,
         autocast=autocast,
+        world_sum=sum_across(dist_ctx.control),
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
@@ -213,10 +225,16 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
 
 
 class _Window:
-    """Loss and throughput between two log lines; read from the device once per window."""
+    """Loss and throughput between two log lines; read from the device once per window.
 
-    def __init__(self, device: torch.device) -> None:
+    At each log step (the same steps on every rank) one all-reduce of host
+    numbers (``world_sum``, on the control group) adds the world's loss and
+    throughput to this rank's own: no device sync besides the window's one read.
+    """
+
+    def __init__(self, device: torch.device, world_sum: Callable[[list[float]], list[float]]) -> None:
         self.device = device
+        self.world_sum = world_sum
         self.reset()
 
     def reset(self) -> None:
@@ -232,14 +250,19 @@ class _Window:
 
     def report(self, job: Job, state: LoopState) -> StepReport:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
+        loss_sum, steps, rate = self.loss.item(), max(1, self.steps), self.samples / elapsed
+        world_loss_sum, world_steps, world_rate = self.world_sum([loss_sum, steps, rate])
         report = StepReport(
             global_step=state.global_step,
             total_steps=job.total_steps,
             epoch=state.epoch,
-            loss=self.loss.item() / max(1, self.steps),
+            loss=loss_sum / steps,
             lr=job.optimizer.param_groups[0]["lr"],
             samples_seen=state.samples_seen,
-            rank_samples_per_second=self.samples / elapsed,
+            rank_samples_per_second=rate,
+            world_loss=world_loss_sum / world_steps,
+            world_samples_per_second=world_rate,
+            seconds_per_step=elapsed / steps,
         )
         self.reset()
         return report
@@ -358,7 +381,7 @@ def train(job: Job) -> dict[str, Any]:
     """Run from where the job stands to ``total_steps``, evaluating after each epoch (or every
     ``train.eval_every`` steps) and at the end; stop early if preempted."""
     started = time.perf_counter()
-    state, window, status = job.state, _Window(job.device), "completed"
+    state, window, status = job.state, _Window(job.device, job.world_sum), "completed"
     evals: list[EvalReport | None] = []
     every_epoch = job.config.train.eval_every is None
     start_samples = state.samples_seen

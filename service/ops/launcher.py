@@ -117,7 +117,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="ddp-service launch",
-        usage="ddp-service launch [job.yaml] [--set KEY=VALUE ...] [--nproc-per-node auto|N] [torchrun options]",
+        usage=_USAGE,
         description=__doc__.splitlines()[0],
         epilog="The positional argument torchrun calls training_script is the job file here (optional: without "
         "it, the embedded defaults); launch always runs `python -m service train`. Exit codes: 0 completed, "
@@ -133,6 +133,51 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     if "PET_SIGNALS_TO_HANDLE" not in environ:
         parser.set_defaults(signals_to_handle=DEFAULT_SIGNALS)
     return parser
+
+
+_USAGE = "ddp-service launch [job.yaml] [--set KEY=VALUE ...] [--nproc-per-node auto|N] [torchrun options]"
+_ADDS = """\
+Run the job under torchrun's agent in one command: torchrun [torchrun options] -m service train
+[job.yaml] [--set ...], with what a first user would otherwise have to choose:
+
+  - --nproc-per-node auto (the default): one process per GPU, or 2 CPU processes without a GPU;
+  - one node and no rendezvous option: --standalone;
+  - SIGUSR1 (Slurm's --signal=USR1@90) joins the signals torchrun handles, from the first moment:
+    the workers checkpoint at the next step and the launch exits 75;
+  - the config is validated before any worker starts;
+  - one exit code for the job: 0 completed, 75 preempted (rerun the same command to resume),
+    2 bad input (a bad config or option, or a worker that refused its input), 1 failed.
+"""
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    """-h or --help anywhere on the line, but not as the value of a ``--set``."""
+    return any(arg in ("-h", "--help") and (index == 0 or argv[index - 1] != "--set")
+               for index, arg in enumerate(argv))  # fmt: skip
+
+
+def launch_help() -> str:
+    """launch's own usage and options first, then torchrun's options, which pass through unchanged."""
+    from torch.distributed.run import get_args_parser
+
+    own = argparse.ArgumentParser(prog="ddp-service launch", usage=_USAGE, description=_ADDS, add_help=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    group = own.add_argument_group("launch's own arguments")
+    group.add_argument("job.yaml", nargs="?", help="the job file; omitted: the embedded defaults (the demo)")
+    group.add_argument("--set", metavar="KEY=VALUE", help="override one config key, as in `ddp-service train` "
+                       "(repeatable): --set train.lr=0.1")  # fmt: skip
+    group.add_argument("--nproc-per-node", metavar="auto|N", help="processes on this node; auto (the default): "
+                       "one per GPU, else 2 CPU processes; also torchrun's words (gpu, cpu)")  # fmt: skip
+    group.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    torchrun = get_args_parser()
+    hidden = {"help", "nproc_per_node", *_ENTRYPOINT_OPTIONS}  # launch's own above, or refused by launch
+    for action in torchrun._actions:  # argparse has no public way to list a parser's options
+        if not action.option_strings or action.dest in hidden:
+            action.help = argparse.SUPPRESS  # the script and its arguments are launch's job file and --set
+    options = argparse.ArgumentParser(prog="torchrun", usage=argparse.SUPPRESS, add_help=False, parents=[torchrun])
+    options.description = ("torchrun's options, passed through unchanged (torchrun --help says the same; "
+                           "PET_<OPTION> environment variables still set their defaults):")  # fmt: skip
+    return f"{own.format_help()}\n{options.format_help()}"
 
 
 def parse_request(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchRequest:
@@ -255,6 +300,9 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
 
 
 def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[signal.Signals, Any]) -> int:
+    if asks_for_help(argv):
+        print(launch_help(), end="")
+        return EXIT_COMPLETED
     try:
         request = parse_request(argv, environ)
         for sig in set(early) - set(_signals(request.torchrun.signals_to_handle)):
@@ -273,7 +321,7 @@ def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[sign
 
 
 _MEANING = {EXIT_COMPLETED: "completed", EXIT_PREEMPTED: "preempted: rerun the same command to resume",
-            EXIT_BAD_INPUT: "bad input", EXIT_FAILED: "failed"}  # fmt: skip
+            EXIT_BAD_INPUT: "bad input: fix what the error above names, then rerun", EXIT_FAILED: "failed"}  # fmt: skip
 
 
 def run_agent(request: LaunchRequest, config: JobConfig) -> Outcome:

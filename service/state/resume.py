@@ -31,12 +31,18 @@ log = logging.getLogger(__name__)
 MUTABLE = (
     "run_dir", "metrics", "checkpoint", "dist", "train.log_every", "train.progress_bar",
     "data.num_workers", "data.pin_memory", "data.trace", "ddp.bucket_cap_mb", "ddp.find_unused_parameters",
-    "train.nonfinite", "init_from",
+    "train.nonfinite", "init_from", "logging",
 )  # fmt: skip
 
 
 class ResumeError(RuntimeError):
-    """The run cannot resume as asked; the message names what differs and the fix."""
+    """The run cannot resume as asked; the message names what differs and the fix.
+
+    Bad input, found on every rank before any step: the worker logs the message
+    alone and exits 2 (``exit_code``), as for an invalid config.
+    """
+
+    exit_code = 2
 
 
 @dataclasses.dataclass(frozen=True)

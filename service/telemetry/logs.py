@@ -1,9 +1,14 @@
-"""Log lines that say which rank wrote them."""
+"""Log lines that say which rank wrote them; rank 0's alone, unless ``logging.all_ranks``."""
 
 from __future__ import annotations
 
 import logging
 import sys
+
+
+def log_level(rank: int, all_ranks: bool) -> int:
+    """INFO on rank 0 (or every rank with ``logging.all_ranks``); WARNING elsewhere: warnings and errors only."""
+    return logging.INFO if rank == 0 or all_ranks else logging.WARNING
 
 
 def configure_logging(rank: int, level: int = logging.INFO) -> None:

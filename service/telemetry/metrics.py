@@ -7,7 +7,9 @@ for its rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +24,8 @@ log = logging.getLogger("service.loop.train")
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """One logging window's numbers, from this rank's point of view."""
+    """One logging window's numbers: this rank's own (``loss``, ``rank_samples_per_second``: TensorBoard and
+    Prometheus, per rank) and the world's (``world_loss``, ``world_samples_per_second``: the log line)."""
 
     global_step: int
     total_steps: int
@@ -31,6 +34,21 @@ class StepReport:
     lr: float
     samples_seen: int
     rank_samples_per_second: float
+    world_loss: float  # the mean over every rank's steps of the window
+    world_samples_per_second: float  # the ranks' throughputs summed
+    seconds_per_step: float  # this rank's wall time per step in the window (the ETA)
+
+
+def format_step(report: StepReport, own: bool = False) -> str:
+    """The log line of a log step: the world's loss and throughput, and the time left at this window's pace;
+    ``own``: this rank's loss and throughput after them."""
+    left = max(0, report.total_steps - report.global_step) * report.seconds_per_step
+    line = (f"step {report.global_step}/{report.total_steps} epoch {report.epoch} loss {report.world_loss:.4f} "
+            f"lr {report.lr:.5f} samples/s {report.world_samples_per_second:.1f} "
+            f"eta {datetime.timedelta(seconds=round(left))}")  # fmt: skip
+    if own:
+        line += f" | this rank: loss {report.loss:.4f} samples/s {report.rank_samples_per_second:.1f}"
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,36 +132,54 @@ class FanOutSink(MetricsSink):
 
 
 class LogSink(MetricsSink):
-    """Plain log lines; the logging formatter adds the rank prefix."""
+    """Plain log lines (:func:`format_step`); the logging formatter adds the rank prefix.
+
+    Every rank has one, and the logger's level decides who prints (rank 0 alone
+    unless ``logging.all_ranks``); ``own`` adds the rank's own numbers to the line.
+    """
+
+    def __init__(self, own: bool = False) -> None:
+        self.own = own
 
     def on_report(self, report: StepReport) -> None:
-        log.info(
-            "step %d/%d epoch %d loss %.4f lr %.5f samples/s %.1f",
-            report.global_step, report.total_steps, report.epoch, report.loss, report.lr,
-            report.rank_samples_per_second,
-        )  # fmt: skip
+        log.info("%s", format_step(report, self.own))
 
     def on_eval(self, report: EvalReport) -> None:
         values = " ".join(f"{name} {value:.4f}" for name, value in report.metrics.items())
         log.info("eval epoch %d step %d %s", report.epoch, report.global_step, values)
 
 
+def progress_sink(total_steps: int, terminal: bool) -> MetricsSink:
+    """Rank 0's progress: a tqdm bar on a terminal; elsewhere (a file, a pipe, a pod's log) none, since the
+    log line of each log step already says the step, the total and the time left, without carriage returns."""
+    return ProgressSink(total_steps) if terminal else NullSink()
+
+
 class ProgressSink(MetricsSink):
-    """A tqdm bar over optimizer steps (rank 0 only, or every rank would draw one)."""
+    """A tqdm bar over optimizer steps on a terminal (rank 0 only, or every rank would draw one).
+
+    While it lives, the ``service`` loggers write through ``tqdm.write``, so log
+    lines print above the bar instead of through it.
+    """
 
     def __init__(self, total_steps: int) -> None:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
+        self.redirect = contextlib.ExitStack()
+        loggers = [logging.getLogger(name) for name in ("service", "py.warnings")]
+        self.redirect.enter_context(logging_redirect_tqdm([logger for logger in loggers if logger.handlers]))
 
     def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
                 tokens: int = 0) -> None:  # fmt: skip
         self.bar.update(1)
 
     def on_report(self, report: StepReport) -> None:
-        self.bar.set_postfix(loss=f"{report.loss:.4f}", refresh=False)
+        self.bar.set_postfix(loss=f"{report.world_loss:.4f}", refresh=False)
 
     def close(self) -> None:
+        self.redirect.close()
         self.bar.close()
 
 

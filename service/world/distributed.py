@@ -7,7 +7,7 @@ import dataclasses
 import gc
 import logging
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -140,6 +140,22 @@ def any_rank(group: Any) -> Callable[[int, int], tuple[int, int]]:
         return int(values[0].item()), int(-values[1].item())
 
     return agree
+
+
+def sum_across(group: Any) -> Callable[[Sequence[float]], list[float]]:
+    """A collective: each value summed over the ranks of ``group``, in one float64 all-reduce.
+
+    For host numbers (the log window's loss sum, step count, throughput) on the
+    gloo control group: no device tensor, no device sync, and it never queues
+    behind DDP's gradient all-reduces.
+    """
+
+    def total(values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor, group=group)
+        return [float(value) for value in tensor.tolist()]
+
+    return total
 
 
 @contextlib.contextmanager

@@ -53,6 +53,9 @@ def train_args(run_dir: Path, max_steps: int, *extra: str) -> list[str]:
         "train.progress_bar=false",
         "--set",
         "metrics.tensorboard=false",
+        # Every rank's INFO lines (rank 0 alone logs them otherwise): the tests follow each node's own ranks.
+        "--set",
+        "logging.all_ranks=true",
         *extra,
     ]
 
