@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from service.config import JobConfig
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.parallel import unwrap
+from service.loop.precision import Precision
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
 from service.state.preemption import Preemption
@@ -68,7 +69,11 @@ class Job:
     state: LoopState
     resumed: Resumed | None
     total_steps: int
-    autocast: Callable[[], contextlib.AbstractContextManager]
+    precision: Precision
+
+    @property
+    def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
+        return self.precision.autocast
 
 
 def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from service.config import JobConfig, TrainConfig
-from service.errors import backward
 from service.loop.data import eval_loader, train_loader
 from service.loop.job import Job, LoopState, make_summary
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
+from service.loop.precision import Precision
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
+from service.loop.schedule import lr_factor, lr_lambda  # noqa: F401 (lr_factor: imported from here by callers)
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
@@ -47,27 +47,10 @@ from service.world.distributed import DistContext, any_rank
 from service.world.env import WorldInfo
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Linear warm-up, then constant or cosine decay to zero at ``total_steps``."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
     return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
-
-
-def autocast_factory(setting: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """bf16 autocast on CUDA under ``auto``; off on CPU unless asked for."""
-    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
@@ -114,12 +97,13 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
     total_steps = plan_total_steps(plan, state, train)
     optimizer = make_optimizer(model.parameters(), train)
-    scheduler = LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule))
+    scheduler = LambdaLR(optimizer, lr_lambda(train, total_steps))
+    precision = Precision.for_job(train.amp, dist_ctx.device)
     if resumed is not None:
-        restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch)
-    autocast = autocast_factory(train.amp, dist_ctx.device)
+        restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch, precision)
     # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
-    settle_buckets(model, world.world_size, lambda: task.train_set[0][0].unsqueeze(0).to(dist_ctx.device), autocast)
+    settle_buckets(model, world.world_size, lambda: task.train_set[0][0].unsqueeze(0).to(dist_ctx.device),
+                   precision.autocast)  # fmt: skip
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
     job = Job(
         config=config,
@@ -144,12 +128,12 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             dist_ctx.backend,
         ),
         preemption=preemption,
-        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
+        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
         state=state,
         resumed=resumed,
         total_steps=total_steps,
-        autocast=autocast,
+        precision=precision,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
@@ -190,7 +174,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, T
                 loss = job.task.loss_fn(model(inputs), targets)
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
-            backward(loss)
+            job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
     job.nonfinite.step(list(model.parameters()), job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
@@ -311,7 +295,7 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
         "model": unwrap(job.model).state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "scheduler": job.scheduler.state_dict(),
-        "scaler": None,  # bf16 autocast needs no gradient scaler
+        "scaler": job.precision.state_dict(),  # None unless train.amp=fp16
         "loop": dataclasses.asdict(state),
         "rng": rng_state(),
         "world_size": job.world.world_size,
