@@ -81,7 +81,8 @@ def test_an_fp16_overflow_is_skipped_counted_and_does_not_trip_stop(tmp_path: Pa
     assert "step 2: the gradient norm is" in caplog.text and "lowers its scale from 65536 to 32768" in caplog.text
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name]), f"the skipped step moved {name}"
-    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
+    for param, buffer in zip(model.parameters(), momentum, strict=True):
+        assert torch.equal(optimizer.state[param]["momentum_buffer"], buffer), "the skipped step moved momentum"
     guard.raise_if_bad()  # a scaler skip is not a diverged loss
     _step(model, guard, optimizer, 3)
     assert guard.skipped == 1 and not torch.equal(model.state_dict()["0.weight"], weights["0.weight"])
@@ -149,8 +150,9 @@ def test_the_scaler_state_round_trips_exactly_through_restore():
 )
 def test_a_damaged_scaler_entry_is_refused_with_the_fix(entry, message):
     good = _fp16().scaler.state_dict()  # type: ignore[union-attr]
-    entry = {"bad-scale": {**good, "scale": float("nan")}, "bad-tracker": {**good, "_growth_tracker": -1},
-             "bool": {**good, "growth_interval": True}}.get(entry, entry) if isinstance(entry, str) else entry  # fmt: skip
+    damaged = {"bad-scale": {**good, "scale": float("nan")}, "bad-tracker": {**good, "_growth_tracker": -1},
+               "bool": {**good, "growth_interval": True}}  # fmt: skip
+    entry = damaged[entry] if isinstance(entry, str) else entry
     with pytest.raises(PrecisionStateError, match=message) as caught:
         _fp16().load_state_dict(entry, "step-00000004.pt")
     assert "checkpoint.resume=never" in str(caught.value)
