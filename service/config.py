@@ -55,7 +55,8 @@ def _switch(value: Any) -> Any:
 
 
 OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
-Amp = Annotated[Literal["auto", "off", "bf16"], BeforeValidator(lambda v: "off" if v is False else v)]
+Amp = Annotated[Literal["auto", "off", "bf16", "fp16"], BeforeValidator(lambda v: "off" if v is False else v)]
+Compile = Literal[False, True, "inductor", "aot_eager", "eager"]  # true: inductor; the others: debugging backends
 
 SEED_MAX = 2**32 - 1  # numpy's limit; torch's generators also take (seed * 1_000_003 + epoch) < 2**64
 TIMEOUT_MAX = 7 * 24 * 3600  # datetime.timedelta and the C++ stores overflow far above; a week is already absurd
@@ -114,8 +115,10 @@ class TrainConfig(_Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr: float = Field(0.0, ge=0, description="Where cosine/linear decay ends at the last step; at most lr.")
     warmup_steps: int = Field(0, ge=0)
+    compile: Compile = Field(False, description="torch.compile the model (in place, before the DDP wrap).")
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
     eval_every: int | None = Field(
         None, ge=1, description="Evaluate every N optimizer steps and at the end; null: at each epoch's end."
@@ -132,6 +135,12 @@ class TrainConfig(_Section):
                 f"train.grad_accum={self.grad_accum} and train.global_batch_size={self.global_batch_size} are "
                 "both set; set only global_batch_size (grad_accum is then derived at every start) or only grad_accum"
             )
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}; the schedule decays from lr "
+                             f"to min_lr, so set min_lr at most {self.lr} (e.g. --set train.min_lr=0)")  # fmt: skip
+        if self.compile and self.strategy == "dp":
+            raise ValueError("train.compile works with train.strategy=ddp only (DataParallel copies the module "
+                             "every step); set train.strategy=ddp or train.compile=false")  # fmt: skip
         return self
 
 

@@ -16,8 +16,9 @@ from service.errors import INPLACE_MARKER, InplaceGradientError, backward
 from service.loop.job import LoopState
 from service.loop.parallel import wants_sync_batchnorm, wrap_model
 from service.loop.sampler import DataPlan
+from service.loop.schedule import lr_factor
 from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
-from service.loop.train import batch_geometry, lr_factor, plan_total_steps
+from service.loop.train import batch_geometry, plan_total_steps
 from service.state.checkpoint import Rank0Checkpointer
 from service.state.checkpoint_io import candidate_steps
 from service.telemetry.summary import JsonSummaryWriter, model_digest

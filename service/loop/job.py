@@ -17,6 +17,7 @@ from service.config import JobConfig
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import LRSchedule
 from service.loop.parallel import unwrap
+from service.loop.precision import Precision
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
 from service.loop.steps import TaskStep
@@ -69,8 +70,12 @@ class Job:
     state: LoopState
     resumed: Resumed | None
     total_steps: int
-    autocast: Callable[[], contextlib.AbstractContextManager]
     world_sum: Callable[[Sequence[float]], list[float]]  # a collective over the control group: host numbers summed
+    precision: Precision
+
+    @property
+    def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
+        return self.precision.autocast
 
 
 def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds: float, trained: int,

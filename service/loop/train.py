@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -24,15 +23,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from service.config import JobConfig, TrainConfig
-from service.errors import backward
 from service.loop.batches import checked_collate, to_device
 from service.loop.data import eval_loader, train_loader
 from service.loop.job import Job, LoopState, make_summary
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import build_optimizer, build_schedule
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
+from service.loop.precision import Precision
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
+from service.loop.schedule import lr_lambda
 from service.loop.steps import TaskInterfaceError, TaskStep
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
@@ -54,27 +54,10 @@ from service.world.env import WorldInfo
 log = logging.getLogger(__name__)
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Linear warm-up, then constant or cosine decay to zero at ``total_steps``."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
     return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
-
-
-def autocast_factory(setting: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """bf16 autocast on CUDA under ``auto``; off on CPU unless asked for."""
-    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
@@ -133,15 +116,15 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     total_steps = plan_total_steps(plan, state, train)
     module = unwrap(model)
     optimizer = build_optimizer(task, config.task, module, lambda: make_optimizer(model.parameters(), train))
-    scheduler = build_schedule(task, config.task, optimizer, total_steps, lambda: LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule)))  # fmt: skip
+    scheduler = build_schedule(task, config.task, optimizer, total_steps,
+                               lambda: LambdaLR(optimizer, lr_lambda(train, total_steps)))  # fmt: skip
+    precision = Precision.for_job(train.amp, dist_ctx.device)
     if resumed is not None:
-        restore(resumed, module, optimizer, scheduler, world.world_size, global_batch)
-    autocast = autocast_factory(train.amp, dist_ctx.device)
+        restore(resumed, module, optimizer, scheduler, world.world_size, global_batch, precision)
     one_sample = lambda dataset: to_device(collate([dataset[0]]), dist_ctx.device)  # noqa: E731
     # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
-    settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, autocast)
-    eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), autocast)  # type: ignore[arg-type]
+    settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, precision.autocast)
+    eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed, collate)
     job = Job(
         config=config,
@@ -169,13 +152,13 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             terminal,
         ),
         preemption=preemption,
-        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps),
+        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
         state=state,
         resumed=resumed,
         total_steps=total_steps,
-        autocast=autocast,
         world_sum=sum_across(dist_ctx.control),
+        precision=precision,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
@@ -216,7 +199,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                 loss = loss_of(model, batch)
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
-            backward(loss)
+            job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
     job.nonfinite.step(list(model.parameters()), job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
@@ -365,7 +348,7 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
         "model": unwrap(job.model).state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "scheduler": job.scheduler.state_dict(),
-        "scaler": None,  # bf16 autocast needs no gradient scaler
+        "scaler": job.precision.state_dict(),  # None unless train.amp=fp16
         "loop": dataclasses.asdict(state),
         "rng": rng_state(),
         "world_size": job.world.world_size,

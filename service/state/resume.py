@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 MUTABLE = (
     "run_dir", "metrics", "checkpoint", "dist", "train.log_every", "train.progress_bar",
     "data.num_workers", "data.pin_memory", "data.trace", "ddp.bucket_cap_mb", "ddp.find_unused_parameters",
-    "train.nonfinite", "init_from", "logging",
+    "train.nonfinite", "init_from", "logging", "train.compile",
 )  # fmt: skip
 
 
@@ -186,12 +186,18 @@ def rng_state() -> dict[str, Any]:
 
 
 def restore(resumed: Resumed, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-            world_size: int, global_batch: int) -> None:  # fmt: skip
-    """Load a checkpoint's model, optimizer, scheduler and RNG into a freshly built job, on every rank."""
+            world_size: int, global_batch: int, scaler: Any = None) -> None:  # fmt: skip
+    """Load a checkpoint's model, optimizer, scheduler, gradient scaler and RNG into a freshly built job, on every rank.
+
+    ``scaler``: the job's precision (``load_state_dict`` checks the checkpoint's ``scaler`` entry, which a
+    checkpoint without one, bf16/fp32 or of an older version, holds as None or lacks).
+    """
     state = resumed.state
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None:
+        scaler.load_state_dict(state.get("scaler"), str(resumed.file))
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])

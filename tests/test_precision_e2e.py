@@ -1,0 +1,63 @@
+"""Issue 17, part 2 under real torchrun (2 CPU processes): fp16's scaler and train.compile resume exactly.
+
+An interrupted run is its step-4 checkpoint copied alone into a fresh run_dir: what a rerun after a
+kill past that save finds (the kill and restart paths themselves are test_resume_e2e's).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_summary, run_job
+
+pytestmark = pytest.mark.e2e
+
+STEPS = ("train.max_steps=8", "train.epochs=10", "checkpoint.every_steps=2", "train.log_every=2")
+HUGE = ("task=amp_tasks:huge_loss_at", "task_options.position=32", "train.amp=fp16", *STEPS)  # huge at step 3
+# aot_eager: dynamo and AOTAutograd as with inductor, without its code generation (a minute of gcc on 2 cores).
+COMPILED = "train.compile=aot_eager"
+SCALER_AT_8 = {"scale": 32768.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+               "_growth_tracker": 5}  # one back-off at step 3, then steps 4-8 without overflow  # fmt: skip
+
+
+def interrupted_at(step: int, source: Path, target: Path) -> Path:
+    """A run_dir holding only ``source``'s checkpoint of ``step``: what a rerun after a kill past that save finds."""
+    (target / "checkpoints").mkdir(parents=True)
+    for suffix in ("pt", "json"):
+        shutil.copy2(source / "checkpoints" / f"step-{step:08d}.{suffix}", target / "checkpoints")
+    return target
+
+
+def checkpoint(run_dir: Path, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
+
+
+def test_fp16_overflow_skips_and_compiled_and_eager_runs_resume_from_each_other_exactly(tmp_path):
+    """fp16, compiled 0-8 (the scaler skips step 3) | eager from its step 4 | compiled from that one's step 6.
+
+    All three end on the same weights and scaler state: the scaler's state is checkpointed and restored,
+    and checkpoints of compiled and eager runs are interchangeable. aot_eager runs eager's ATen kernels,
+    so the weights match bit for bit; inductor fuses and reorders float math (last-bit differences).
+    """
+    straight = tmp_path / "compiled"
+    done = run_job(straight, 2, *HUGE, COMPILED)  # nonfinite: stop (the default); a scaler skip does not trip it
+    summary = read_summary(straight)
+    assert summary["status"] == "completed" and summary["nonfinite_steps"] == 1, done.stdout[-3000:]
+    assert "step 3: the gradient norm is" in done.stdout and "lowers its scale from 65536 to 32768" in done.stdout
+    assert "train.compile: aot_eager backend" in done.stdout
+    assert checkpoint(straight, 8)["scaler"] == SCALER_AT_8
+    keys = list(checkpoint(straight, 8)["model"])
+    assert keys == ["linear.weight", "linear.bias"]  # no _orig_mod. or module. prefix
+
+    eager = interrupted_at(4, straight, tmp_path / "eager-from-compiled")
+    run_job(eager, 2, *HUGE)
+    recompiled = interrupted_at(6, eager, tmp_path / "compiled-from-eager")
+    run_job(recompiled, 2, *HUGE, COMPILED)
+    for run_dir, step in ((eager, 4), (recompiled, 6)):
+        resumed = read_summary(run_dir)
+        assert resumed["resumed_from"]["step"] == step and resumed["nonfinite_steps"] == 0  # the skip was before
+        assert resumed["model_digest"] == summary["model_digest"], run_dir.name
+        assert checkpoint(run_dir, 8)["scaler"] == SCALER_AT_8
