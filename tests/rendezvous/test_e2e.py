@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 from procs import worker_pids
 
+from service.rendezvous.options import DEFAULTS
+
 from .agents import (
     SAVED_LINE,
     Agent,
     preempted_steps,
     rank_steps,
+    recovery_parts,
     recovery_seconds,
     resumed_steps,
     steps_trained_twice,
@@ -144,13 +147,23 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     assert resumed_steps(survivor) == [resumed["step"]], logs(survivor)
     # The world of 2 went on from the step after the checkpoint: steps in between were redone, none skipped.
     assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 31)), logs(survivor)
-    recovery = recovery_seconds(survivor, killed_at)
-    assert recovery is not None
+    recovery, parts = recovery_seconds(survivor, killed_at), recovery_parts(survivor, killed_at)
+    assert recovery is not None and parts, logs(survivor)
     print(
-        f"recovery after losing the rank-0 node: {recovery:.2f} s, resumed at step {resumed['step']} "
-        f"of {max(trained)} trained"
+        f"recovery after losing the rank-0 node: {recovery:.2f} s ("
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
+        + f"), resumed at step {resumed['step']} of {max(trained)} trained"
     )
-    assert recovery < 12  # about 5 s on an idle machine; bench/rendezvous.py measures it
+    # The part the rendezvous options decide, whatever the load: the new round waits last_call_timeout for a
+    # second node, then starts the workers (1.1 s idle; torch's default last call of 30 s would show here).
+    assert parts["rendezvous"] < DEFAULTS["last_call_timeout"] + 2, parts
+    # The rest is processes stopping and starting, which CPU load stretches. Idle (this test, 2 cores): the old
+    # workers see gloo's connection reset at once, but their exit (traceback, torch's teardown) takes ~2.0 s
+    # ("stop"); the two new workers' interpreter start and torch import take 3.7 s, building the job 2.3 s
+    # (most of it DDP's first import of torch._dynamo) and the first step 0.2 s ("start": 6.2 s). So ~8.2 s of
+    # CPU-bound work plus the ~1.1 s rendezvous: 9.4 s in all. Under `make test` another real-process test shares
+    # the 2 cores; at up to 2.3x for the CPU-bound part: 8.2 x 2.3 + 1.1 = 20 s (the failed CI run: 12.5 s, 1.4x).
+    assert recovery < 20, parts
 
 
 def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
