@@ -339,11 +339,13 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
 ) -> None:
     """Issue 15, finding 1: SIGTERM both agents, then the same command again while the run's lease still lives.
 
-    The rerun joins the inherited lease with about 3 s of its 15 s left. Before the fix its first refresh came
-    ttl / 3 = 5 s after joining: the lease expired under the running world, taking the round's seal with it,
-    and both agents died with RunLostError ("the seal of its round ... was deleted").
+    The rerun joins the inherited lease with about 3 s of its 12 s left. Before the fix its first refresh came
+    ttl / 3 = 4 s after joining: the lease expired under the running world, taking the round's seal with it,
+    and both agents died with RunLostError ("the seal of its round ... was deleted"). (A shorter ttl would
+    leave too little time between its expiry and that refresh; the rerun's 26 or so steps, ~3 s after its
+    workers start, still outlast the inherited lease.)
     """
-    run_dir, steps, conf = tmp_path / "run", 60, "ttl=15"
+    run_dir, steps, conf = tmp_path / "run", 30, "ttl=12"
     job = train_args(run_dir, steps, *slow_task(0.1))
     first = [agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf) for addr in ("127.0.0.2", "127.0.0.3")]
     first[0].wait_for(r"\[rank 0\] INFO step 3/", 120)
