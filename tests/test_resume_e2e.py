@@ -161,10 +161,7 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
     assert final["status"] == "completed" and final["world_size"] == 3 and final["grad_accum"] == 2
     assert final["resumed_from"]["step"] == second["stopped_at_step"]
     assert final["global_batch_size"] == first["global_batch_size"] == global_batch
-
-    run_job(tmp_path / "straight", 2, *job)
-    straight = read_summary(tmp_path / "straight")
-    assert (final["global_step"], final["samples_seen"]) == (straight["global_step"], straight["samples_seen"])
+    # What an uninterrupted run trains (known without running one): every epoch's steps and samples, once.
     assert final["global_step"] == epochs * steps_per_epoch and final["samples_seen"] == epochs * length
 
     trace = read_trace(run_dir)
@@ -186,15 +183,17 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
 def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tmp_path):
     """3 ranks: the all-reduce adds 3 numbers, whose rounding depends on their order, which DDP's bucket layout
     decides; a resumed process must reduce in the layout the uninterrupted one used (parallel.settle_buckets)."""
-    job = (*SLOW, "train.max_steps=30", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
+    # 11 steps an epoch (256 samples, 24 a step): the signal comes in epoch 0, and the resumed run crosses into
+    # epoch 1 (a new permutation, eval at the boundary) before it ends.
+    job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
            "data.num_workers=2")  # fmt: skip
     run_job(tmp_path / "straight", 3, *job)
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "run"
-    preempted = preempt_agent_at(run_dir, 3, 8, *job)
+    preempted = preempt_agent_at(run_dir, 3, 5, *job)
     stopped = preempted["stopped_at_step"]
-    assert 8 <= stopped < 30 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
+    assert 5 <= stopped < 16 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
     run_job(run_dir, 3, *job)
     resumed = read_summary(run_dir)
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped

@@ -197,3 +197,37 @@ def recovery_seconds(agent: Agent, killed_at: float) -> float | None:
     """Seconds from a kill to the first training step of the group the agent restarted afterwards."""
     later = [t for t, _, _ in agent.step_times(after=RESTART_MARK) if t > killed_at]
     return min(later) - killed_at if later else None
+
+
+# torch's own log lines (LOGLEVEL=INFO): "I1201 13:51:44.086000 27405 .../api.py:707] [default] Rendezvous'ing ...".
+_TORCH_LINE = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d{6}) \d+ \S+\] (.*)$", re.M)
+
+
+def torch_line_times(agent: Agent, pattern: str) -> list[float]:
+    """Epoch times of the agent's torch log lines matching ``pattern`` (they carry no year: the start gives it)."""
+    year, regex = datetime.fromtimestamp(agent.started).year, re.compile(pattern)
+    return [
+        datetime.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S.%f").timestamp()
+        for stamp, message in _TORCH_LINE.findall(agent.log())
+        if regex.search(message)
+    ]
+
+
+def recovery_parts(agent: Agent, killed_at: float) -> dict[str, float]:
+    """Where :func:`recovery_seconds` went, in seconds that add up to it: ``stop`` (the kill to the agent's new
+    rendezvous: its old workers fail and exit), ``rendezvous`` (to the last "Starting worker group" before the new
+    group's first step), ``start`` (new workers start, build the job and train that step). Empty when a part is
+    missing from the log (torch logs these lines at INFO, which Agent sets)."""
+    first_step = recovery_seconds(agent, killed_at)
+    rendezvous = [t for t in torch_line_times(agent, r"Rendezvous'ing worker group") if t > killed_at]
+    if first_step is None or not rendezvous:
+        return {}
+    stepped = killed_at + first_step
+    started = [t for t in torch_line_times(agent, r"Starting worker group") if rendezvous[0] < t <= stepped]
+    if not started:
+        return {}
+    return {
+        "stop": rendezvous[0] - killed_at,
+        "rendezvous": started[-1] - rendezvous[0],
+        "start": stepped - started[-1],
+    }

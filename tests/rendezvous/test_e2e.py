@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 from procs import worker_pids
 
+from service.rendezvous.options import DEFAULTS
+
 from .agents import (
     SAVED_LINE,
     Agent,
     preempted_steps,
     rank_steps,
+    recovery_parts,
     recovery_seconds,
     resumed_steps,
     steps_trained_twice,
@@ -144,13 +147,23 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     assert resumed_steps(survivor) == [resumed["step"]], logs(survivor)
     # The world of 2 went on from the step after the checkpoint: steps in between were redone, none skipped.
     assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 31)), logs(survivor)
-    recovery = recovery_seconds(survivor, killed_at)
-    assert recovery is not None
+    recovery, parts = recovery_seconds(survivor, killed_at), recovery_parts(survivor, killed_at)
+    assert recovery is not None and parts, logs(survivor)
     print(
-        f"recovery after losing the rank-0 node: {recovery:.2f} s, resumed at step {resumed['step']} "
-        f"of {max(trained)} trained"
+        f"recovery after losing the rank-0 node: {recovery:.2f} s ("
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
+        + f"), resumed at step {resumed['step']} of {max(trained)} trained"
     )
-    assert recovery < 12  # about 5 s on an idle machine; bench/rendezvous.py measures it
+    # The part the rendezvous options decide, whatever the load: the new round waits last_call_timeout for a
+    # second node, then starts the workers (1.1 s idle; torch's default last call of 30 s would show here).
+    assert parts["rendezvous"] < DEFAULTS["last_call_timeout"] + 2, parts
+    # The rest is processes stopping and starting, which CPU load stretches. Idle (this test, 2 cores): the old
+    # workers see gloo's connection reset at once, but their exit (traceback, torch's teardown) takes ~2.0 s
+    # ("stop"); the two new workers' interpreter start and torch import take 3.7 s, building the job 2.3 s
+    # (most of it DDP's first import of torch._dynamo) and the first step 0.2 s ("start": 6.2 s). So ~8.2 s of
+    # CPU-bound work plus the ~1.1 s rendezvous: 9.4 s in all. Under `make test` another real-process test shares
+    # the 2 cores; at up to 2.3x for the CPU-bound part: 8.2 x 2.3 + 1.1 = 20 s (the failed CI run: 12.5 s, 1.4x).
+    assert recovery < 20, parts
 
 
 def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
@@ -326,11 +339,13 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
 ) -> None:
     """Issue 15, finding 1: SIGTERM both agents, then the same command again while the run's lease still lives.
 
-    The rerun joins the inherited lease with about 3 s of its 15 s left. Before the fix its first refresh came
-    ttl / 3 = 5 s after joining: the lease expired under the running world, taking the round's seal with it,
-    and both agents died with RunLostError ("the seal of its round ... was deleted").
+    The rerun joins the inherited lease with about 3 s of its 12 s left. Before the fix its first refresh came
+    ttl / 3 = 4 s after joining: the lease expired under the running world, taking the round's seal with it,
+    and both agents died with RunLostError ("the seal of its round ... was deleted"). (A shorter ttl would
+    leave too little time between its expiry and that refresh; the rerun's 26 or so steps, ~3 s after its
+    workers start, still outlast the inherited lease.)
     """
-    run_dir, steps, conf = tmp_path / "run", 60, "ttl=15"
+    run_dir, steps, conf = tmp_path / "run", 30, "ttl=12"
     job = train_args(run_dir, steps, *slow_task(0.1))
     first = [agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf) for addr in ("127.0.0.2", "127.0.0.3")]
     first[0].wait_for(r"\[rank 0\] INFO step 3/", 120)

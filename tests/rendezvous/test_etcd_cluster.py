@@ -115,7 +115,8 @@ def test_losing_the_etcd_leader_mid_run_costs_no_restart(
 
 
 def quorum_job(run_dir: Path, steps: int) -> list[str]:
-    # ~0.35 s a step: the grace window (6 s) ends long before step 60; a checkpoint every 5 steps to resume from.
+    # ~0.35 s a step: the quorum goes at step 5 and the grace window (6 s) ends near step 25, long before step 50
+    # (15 s on); a checkpoint every 5 steps to resume from.
     return slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5")
 
 
@@ -125,7 +126,7 @@ GRACE = 6
 def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after_it_recovers(
     etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
-    run_dir, steps = tmp_path / "run", 60
+    run_dir, steps = tmp_path / "run", 50
     conf = f"grace_period={GRACE},read_timeout=1"
     a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
@@ -436,15 +437,19 @@ def test_a_frozen_single_etcd_is_survived(
     loss is the stall's doing, not theirs: they rejoin (a new round, resumed from the checkpoint), as after
     an outage, instead of exiting with RunLostError.
     """
-    run_dir, steps = tmp_path / "run", 100
+    # ~0.13 s a step: the 6 s freeze from step 5 ends near step 50, well before step 80 (asserted below).
+    run_dir, steps = tmp_path / "run", 80
     job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
     a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
     b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
     a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
     with frozen(etcd_private, FREEZE):
         pass
+    woke_at = time.time()
     for agent in (a, b):
         rc = agent.wait(180)
         assert rc == 0, f"agent {agent.local_addr} exited {rc} after a {FREEZE} s etcd freeze:\n{logs(a, b)}"
     result = summary(run_dir)
     assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 2, result
+    # The world still trained when etcd woke (and expired the node leases): the freeze hit a running job.
+    assert max(t for agent in (a, b) for t, _, _ in agent.step_times()) > woke_at, logs(a, b)
