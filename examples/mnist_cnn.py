@@ -88,8 +88,9 @@ def correct(output: Tensor, target: Tensor) -> Tensor:
 
 
 def build(spec: TaskSpec) -> Task:
-    size, lr, gamma = int(spec.option("image_size", 12)), float(spec.option("lr", 1.0)), spec.option("gamma", 0.7)
-    step_size = int(spec.option("lr_step_steps", 20))  # StepLR's step_size=1 epoch of the original, in steps
+    size, lr = int(spec.option("image_size", 12)), float(spec.option("lr", 1.0))
+    # StepLR as the original's (gamma 0.7); its step_size of 1 epoch is counted in optimizer steps here
+    gamma, step_size = float(spec.option("gamma", 0.7)), int(spec.option("lr_step_steps", 20))
     torch.manual_seed(spec.seed)
     return Task(
         model=Net(int(spec.option("width", 8)), int(spec.option("hidden", 64)), size),
