@@ -171,9 +171,14 @@ def pytest_cuda(check: Check) -> tuple[str, str]:
 
 def amp_supported(check: Check, mode: str) -> str | None:
     """The config's error when this version's ``train.amp`` refuses ``mode``; ``None`` when it takes it."""
-    code, output = check.run(f"validate amp={mode}", [sys.executable, "-m", "service", "validate", "--set",
-                                                      f"train.amp={mode}"], 60)  # fmt: skip
-    return None if code == 0 else last_line(output, r"train\.amp")
+    cmd = [sys.executable, "-m", "service", "validate", "--set", f"train.amp={mode}"]
+    code, output = check.run(f"validate amp={mode}", cmd, 60)
+    if code == 0:
+        return None
+    refused = [line.strip() for line in output.splitlines() if "train.amp" in line]
+    if not refused:  # exit 2 for some other reason: a broken install, not an answer about fp16
+        raise RuntimeError(f"`service validate` exited {code}: {last_line(output)}")
+    return refused[-1]
 
 
 def train_amp(mode: str) -> Callable[[Check], tuple[str, str]]:
