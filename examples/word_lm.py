@@ -16,8 +16,9 @@ Run it with this folder on PYTHONPATH:
 What the original's ``main.py`` did and the service now does: the device,
 ``batchify``'s split of the data over the batch (here: over ranks too),
 ``train()``'s loop with ``clip_grad_norm_`` and its own SGD update,
-``evaluate()``'s totals (over the whole eval set across ranks) and the
-best-model save.
+``evaluate()``'s totals (over the whole eval set across ranks), the annealing
+of the learning rate on the validation loss (``ReduceLROnPlateau``, stepped
+after each evaluation) and the best-model save.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import Dataset
 
 from service.tasks.base import Task, TaskSpec
@@ -139,5 +141,7 @@ def build(spec: TaskSpec) -> Task:
         collate_fn=collate,
         batch_size_fn=lambda batch: len(batch.lengths),
         optimizer_fn=lambda model: torch.optim.SGD(model.parameters(), lr=float(spec.option("lr", 20.0))),
+        # main.py's "lr /= 4.0 if no improvement has been seen in the validation dataset", after each evaluation
+        scheduler_fn=lambda optimizer, total_steps: ReduceLROnPlateau(optimizer, factor=0.25, patience=0),
         tokens_fn=lambda batch: int(batch.lengths.sum()),
     )
