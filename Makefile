@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install install-test prometheus slurm demo test lint bench monitor clean
+.PHONY: install install-test prometheus slurm demo test lint bench gpu-check monitor clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,13 @@ bench: install-test
 	$(PY) bench/overhead.py
 	$(PY) bench/rendezvous.py
 	$(PY) bench/checkpoint.py
+
+## gpu-check: one table (check, result, figure, seconds) of what one CUDA device says about this tree, in under
+## 5 minutes: the CUDA tests, each AMP mode, the examples, pinned async checkpoints, NCCL at 1 and 2 ranks, the
+## benches. Without CUDA every row skips at once. GPU_CHECK_ARGS go to bench/gpu_check.py (--budget, --only).
+GPU_CHECK_ARGS ?=
+gpu-check: install-test
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
