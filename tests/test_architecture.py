@@ -12,7 +12,7 @@ SERVICE = Path(__file__).resolve().parent.parent / "service"
 
 # Lower layers first; a module may import its own layer and those below it, never one above.
 LAYERS = ["base", "world", "state", "telemetry", "loop", "ops", "entry"]
-BASE = {"service", "service.config", "service.errors"}
+BASE = {"service", "service.config", "service.config_yaml", "service.errors"}
 ENTRY = {"service.cli", "service.__main__"}
 HANDLERS = ("service.rendezvous.native", "service.rendezvous.dynamic")
 RDZV_TOP = {"service.rendezvous.factory", "service.rendezvous.plugin", "service.rendezvous.admin"}

@@ -8,15 +8,23 @@ value to step on: it steps after each evaluation, on the eval ``loss``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from service.config import TrainConfig
 from service.loop.steps import TaskInterfaceError
 from service.tasks.base import Task
+
+
+def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
+    """The config's optimizer (``train.optimizer``), for a task without ``optimizer_fn``."""
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
 def build_optimizer(task: Task, name: str, module: nn.Module,

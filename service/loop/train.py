@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from service.loop.batches import checked_collate, to_device
 from service.loop.data import eval_loader, train_loader
 from service.loop.job import Job, LoopState, make_summary
 from service.loop.nonfinite import NonfiniteGuard
-from service.loop.optim import build_optimizer, build_schedule
+from service.loop.optim import build_optimizer, build_schedule, make_optimizer
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
 from service.loop.precision import Precision
 from service.loop.roles import build_roles
@@ -52,12 +52,6 @@ from service.world.distributed import DistContext, any_rank, sum_across
 from service.world.env import WorldInfo
 
 log = logging.getLogger(__name__)
-
-
-def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
-    if train.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
-    return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
 def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:

@@ -241,8 +241,7 @@ def checkpoint_bytes(task: Any, config: JobConfig) -> int:
     """
     import torch
 
-    from service.loop.optim import build_optimizer
-    from service.loop.train import make_optimizer
+    from service.loop.optim import build_optimizer, make_optimizer
 
     model = task.model
     optimizer = build_optimizer(task, config.task, model, lambda: make_optimizer(model.parameters(), config.train))
