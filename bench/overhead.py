@@ -1,12 +1,27 @@
 """The service's training loop against a bare, hand-written DDP loop in the seed's style.
 
-Same model (the shapes UNet), data, batch and 2 gloo processes; the two
-alternate within one invocation so drift on the machine hits both alike.
-Metrics, checkpoints, TensorBoard and the progress bar are off in the service,
-and SyncBatchNorm too (the bare loop has plain BatchNorm). Prints the median
-step time of each and the throughput ratio service / bare (target >= 0.99).
+Same model (the shapes UNet), data, batch, SGD (lr 0.05, momentum 0.9) and
+gloo processes (``--world``, 2 by default); the two alternate within one
+invocation so drift on the machine hits both alike. What is compared:
 
-    python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8] [--task builtin|step_fn]
+- clipping: both clip the gradient norm to ``--grad-clip`` (1.0, the
+  service's default ``train.grad_clip``). Clipping is training math the job
+  asked for, not overhead, so the bare loop does it too; the service's
+  non-finite guard then reuses the clip's norm. ``--grad-clip none`` turns it
+  off in both, and the service pays the guard's own norm (one fused norm).
+- off in the service: metrics, checkpoints, TensorBoard, the progress bar and
+  SyncBatchNorm (the bare loop has plain BatchNorm).
+- on in the service, as in every job: the per-step RNG reseed, the LR
+  schedule (LambdaLR, cosine; the bare keeps its lr: the same work per step),
+  the non-finite guard (``train.nonfinite: stop``), the preemption agreement,
+  the plan sampler and the checked collate.
+
+Prints each loop's median step time on two clocks, wall and CPU
+(``time.process_time`` of rank 0: less distorted by other load on the
+machine), and the throughput ratio service / bare (target >= 0.99).
+
+    python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8] [--world 2] [--grad-clip 1.0]
+                             [--task builtin|step_fn]
 
 ``--task step_fn`` runs the service on the same task given as a ``step_fn``
 (``Task.step_fn`` instead of ``loss_fn``), the path real training code takes.
