@@ -17,8 +17,10 @@ invocation so drift on the machine hits both alike. What is compared:
   the plan sampler and the checked collate.
 
 Prints each loop's median step time on two clocks, wall and CPU
-(``time.process_time`` of rank 0: less distorted by other load on the
-machine), and the throughput ratio service / bare (target >= 0.99).
+(``time.process_time`` of rank 0, all its threads), and the throughput ratio
+service / bare (target >= 0.99). On a shared machine both clocks swing by
+several percent between runs: a 1% difference needs an idle machine, or the
+per-call costs measured in isolation.
 
     python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8] [--world 2] [--grad-clip 1.0]
                              [--task builtin|step_fn]
