@@ -130,7 +130,8 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
     inputs, targets = data
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recorder = _Gradients()
-    job = types.SimpleNamespace(model=model, device=torch.device("cpu"), autocast=contextlib.nullcontext,
+    job = types.SimpleNamespace(model=model, params=list(model.parameters()), device=torch.device("cpu"),
+                                autocast=contextlib.nullcontext,
                                 step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
                                 precision=Precision(None, torch.device("cpu"), None), nonfinite=recorder,
                                 optimizer=optimizer, scheduler=types.SimpleNamespace(step=lambda: None))  # fmt: skip

@@ -128,6 +128,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         step=step,
         eval_names=eval_names,
         model=model,
+        params=list(model.parameters()),
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
@@ -195,7 +196,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
-    job.nonfinite.step(list(model.parameters()), job.optimizer, step)  # clips; skips or records a nan step
+    job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return loss_sum
