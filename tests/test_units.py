@@ -202,6 +202,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
     import types
 
     from service.loop.nonfinite import NonfiniteGuard
+    from service.loop.precision import Precision
     from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
     from service.tasks.base import Task
@@ -217,6 +218,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
     model.parameters = lambda *args, **kwargs: calls.append(1) or listing(*args, **kwargs)
     job = types.SimpleNamespace(
         model=model, params=params, device=torch.device("cpu"), autocast=contextlib.nullcontext,
+        precision=Precision(None, torch.device("cpu"), None),
         step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
         nonfinite=NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path, (), 3),
         optimizer=torch.optim.SGD(params, lr=0.1), scheduler=types.SimpleNamespace(step=lambda: None),
