@@ -96,7 +96,7 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
             state.epoch, state.cursor = epoch, 0
             dist.barrier()
             start = time.perf_counter()
-            train_epoch(job, state, window)
+            train_epoch(job, state, window, [])
             times[mode].append((time.perf_counter() - start) / job.plan.steps_in_epoch(0))
     stop.set()
     scraper.join()

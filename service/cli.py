@@ -1,4 +1,4 @@
-"""``ddp-service`` / ``python -m service``: train, validate, env, launch, doctor.
+"""``ddp-service`` / ``python -m service``: train, validate, env, launch, doctor, export.
 
 A thin entrypoint: parse, build, train, close in ``finally``. ``@record``
 makes torchrun report the failing rank's traceback.
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
+from service.ops import export as weights_export
 from service.ops.preflight import check_against_world
 from service.rendezvous import admin as rdzv_admin
 from service.state.preemption import Preemption
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("launch", add_help=False, help="run the job under torchrun's agent, in one command")
     commands.add_parser("doctor", add_help=False, help="check this machine and launcher before a job")
     rdzv_admin.add_parser(commands)  # rdzv list|show|retire: service/rendezvous/admin.py
+    weights_export.add_parser(commands)  # export RUN_DIR OUT: service/ops/export.py
     return parser
 
 
@@ -58,6 +60,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "rdzv":
         return rdzv_admin.run(args)
+    if args.command == "export":
+        return weights_export.run(args)
     # First thing for train: a preemption during start-up (torch loading, the lock, the rendezvous, the resume)
     # is kept until the loop's first agreement, instead of killing the process before it writes any summary.
     preemption = Preemption() if args.command == "train" else None
@@ -101,10 +105,11 @@ def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -
 
 def _train(config: JobConfig, world: WorldInfo, preemption: Preemption) -> int:
     from service.state.consistency import ConfigMismatchError
+    from service.state.weights import WeightsError
 
     try:
         return _train_in_group(config, world, preemption)
-    except ConfigMismatchError as exc:  # every rank sees it at start: no traceback, a code wrappers read
+    except (ConfigMismatchError, WeightsError) as exc:  # at start, before any step: no traceback, a code wrappers read
         log.error("%s", exc)
         return exc.exit_code
 

@@ -119,6 +119,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     compile: Compile = Field(False, description="torch.compile the model (in place, before the DDP wrap).")
     log_every: int = Field(10, ge=1, description="Log a line every N optimizer steps.")
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate every N optimizer steps and at the end; null: at each epoch's end."
+    )
     progress_bar: bool = True
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="A step whose gradient norm is inf/nan: stop (fail, naming the step) or skip its update."
@@ -146,6 +149,11 @@ class DataConfig(_Section):
     trace: bool = Field(False, description="Write each rank's consumed sample indices to run_dir/trace/.")
 
 
+class BestConfig(_Section):
+    metric: str = Field(min_length=1, description="An eval result's name: loss, or one the task reports.")
+    mode: Literal["min", "max"] = Field(description="min: lower is better (loss); max: higher is better.")
+
+
 class CheckpointConfig(_Section):
     every_steps: int = Field(
         50, ge=0, description="Save every N optimizer steps; 0: only at the end and on preemption."
@@ -154,6 +162,9 @@ class CheckpointConfig(_Section):
     resume: Literal["auto", "never", "require"] = "auto"
     async_save: bool = Field(False, alias="async", description="Write periodic saves in the background.")
     on_error: Literal["stop", "continue"] = "stop"
+    best: BestConfig | None = Field(
+        None, description="Keep the best evaluated checkpoint apart from pruning; null: off."
+    )
 
     @field_validator("keep")
     @classmethod
@@ -194,10 +205,30 @@ class DistConfig(_Section):
     )
 
 
+class InitFromConfig(_Section):
+    path: str = Field(description="A state dict .pt/.pth, a .safetensors file, or a ddp-service checkpoint.")
+    strict: bool = Field(True, description="Every key of the model and of the file must match.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("init_from.path must be a non-empty path to a weights file")
+        return value
+
+
+def _init_from(value: Any) -> Any:
+    """``init_from: PATH`` is short for ``init_from: {path: PATH}``."""
+    return {"path": value} if isinstance(value, (str, Path)) else value
+
+
 class JobConfig(_Section):
     task: str = "shapes-segmentation"
     task_options: dict[str, Any] = Field(default_factory=dict)
     run_dir: str = "runs/demo"
+    init_from: Annotated[InitFromConfig | None, BeforeValidator(_init_from)] = Field(
+        None, description="Start a fresh run from these model weights (a resume's checkpoint wins)."
+    )
     seed: Annotated[int, _within(0, SEED_MAX, "pick a seed below 2**32, e.g. 0")] = Field(
         0, description="0 to 2**32 - 1."
     )

@@ -1,4 +1,4 @@
-"""Errors that come with the fix: the seed's in-place autograd error under DDP."""
+"""Errors that come with the fix: the seed's in-place autograd error under DDP, and DDP's buffer broadcast."""
 
 from __future__ import annotations
 
@@ -29,3 +29,27 @@ def backward(loss: Tensor) -> None:
         if INPLACE_MARKER in str(exc):
             raise InplaceGradientError(f"{exc}\n\n{INPLACE_HINT}") from exc
         raise
+
+
+SHARED_MEMORY_MARKER = "to a single memory location"
+
+BUFFER_HINT = (
+    "DDP broadcasts the model's buffers from rank 0 when it wraps the model and, with ddp.broadcast_buffers, "
+    "before every forward; a buffer of this model is a view whose elements share memory (made with expand() "
+    "or as a slice of another buffer, as positional tables often are), which that in-place broadcast cannot "
+    "write. When the buffers are constant or computed alike on every rank (positional tables, masks; every "
+    "rank builds the model from the same seed), set `ddp.broadcast_buffers: false` (--set "
+    "ddp.broadcast_buffers=false): DDP then leaves buffers alone. Otherwise register a contiguous copy "
+    "(`.clone()`)."
+)
+
+
+class BufferBroadcastError(RuntimeError):
+    """Raised in place of torch's overlapping-memory error from DDP's buffer broadcast, with the switch."""
+
+
+def buffer_hint(exc: RuntimeError) -> RuntimeError:
+    """``exc`` itself, or a :class:`BufferBroadcastError` when it is the overlapping-buffer error."""
+    if SHARED_MEMORY_MARKER in str(exc):
+        return BufferBroadcastError(f"{exc}\n\n{BUFFER_HINT}")
+    return exc

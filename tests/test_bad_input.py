@@ -8,8 +8,8 @@ train`` subprocess where it needs the task, the run_dir or the launcher.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -55,6 +55,29 @@ class Limited:
     peak_rss: int  # bytes, of this child alone (os.wait4), not the maximum over every child the tests ran
 
 
+# Starts the capped child and reports its rusage. A child forked from the pytest process would count that
+# process's resident pages (torch, models of earlier tests) in its ru_maxrss, up to the exec: measured from this
+# small intermediary, the peak is the service's own.
+_LIMITED = """
+import json, os, resource, subprocess, sys, time
+memory, timeout, out = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+with open(out, "wb") as output:
+    proc = subprocess.Popen(sys.argv[4:], stdout=output, stderr=subprocess.STDOUT, preexec_fn=cap)
+started = time.monotonic()
+while True:
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+        break
+    if time.monotonic() - started > timeout:
+        proc.kill()
+        _, status, usage = os.wait4(proc.pid, 0)
+        break
+    time.sleep(0.02)
+print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024]))
+"""
+
+
 def run_limited(args: list[str], timeout: float = 60, memory: int = 1 << 30) -> Limited:
     """``python -m service ARGS`` with its address space capped at ``memory`` and killed after ``timeout``.
 
@@ -62,27 +85,15 @@ def run_limited(args: list[str], timeout: float = 60, memory: int = 1 << 30) -> 
     the child instead of a machine out of memory; the kill turns a hang into
     a failed test instead of a stuck suite.
     """
-    with tempfile.TemporaryFile() as out:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
         started = time.monotonic()
-
-        def cap() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-        proc = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=REPO, env=child_env(), stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=cap)  # fmt: skip
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - started > timeout:
-                proc.kill()
-                _, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.02)
+        done = subprocess.run([sys.executable, "-c", _LIMITED, str(memory), str(timeout), str(out), sys.executable,
+                               "-m", "service", *args], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                              timeout=timeout + 30, check=True)  # fmt: skip
         seconds = time.monotonic() - started
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait for it again
-        out.seek(0)
-        return Limited(proc.returncode, out.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024)
+        code, peak = json.loads(done.stdout)
+        return Limited(code, out.read_bytes().decode(errors="replace"), seconds, peak)
 
 
 def latin1_file(tmp_path: Path) -> str:

@@ -116,7 +116,7 @@ def run(config, world, ctx):
 
     job.model.register_comm_hook(None, counting)
     state = job.state
-    train_epoch(job, state, _Window(job.device))
+    train_epoch(job, state, _Window(job.device), [])
     job.roles.close()
     return {"calls": calls, "steps": state.global_step, "micro_steps": job.plan.micro_steps}
 

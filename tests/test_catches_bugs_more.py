@@ -123,14 +123,17 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
     """The real optimizer_step on one rank's real plan for epoch 0, at fixed weights: each step's gradient."""
     from service.loop.precision import Precision
     from service.loop.sampler import DataPlan
+    from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
+    from service.tasks.base import Task
 
     inputs, targets = data
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recorder = _Gradients()
     job = types.SimpleNamespace(model=model, device=torch.device("cpu"), autocast=contextlib.nullcontext,
                                 precision=Precision(None, torch.device("cpu"), None),
-                                task=types.SimpleNamespace(loss_fn=nn.functional.mse_loss), nonfinite=recorder,
+                                step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
+                                nonfinite=recorder,
                                 optimizer=optimizer, scheduler=types.SimpleNamespace(step=lambda: None))  # fmt: skip
     plan = DataPlan(len(inputs), 7, global_batch, world, rank, micro_steps)
     for number, step in enumerate(plan.steps(0, 0), 1):

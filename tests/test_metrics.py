@@ -44,6 +44,7 @@ FAMILIES = {
     "ddp_train_global_step": "gauge",
     "ddp_train_samples_per_second": "gauge",
     "ddp_train_eval_metric": "gauge",
+    "ddp_train_eval_value": "gauge",
     "ddp_train_checkpoint_save_seconds": "histogram",
     "ddp_train_checkpoint_last_success_timestamp_seconds": "gauge",
     "ddp_train_checkpoint_failures": "counter",
@@ -80,6 +81,17 @@ def sink():
     made.close()
 
 
+def test_every_eval_value_is_a_series_named_by_its_metric_label(sink):
+    from service.telemetry.metrics import EvalReport
+
+    sink.on_eval(EvalReport(epoch=0, global_step=5, metrics={"loss": 0.5, "token_accuracy": 0.75},
+                            metric_name="token_accuracy"))  # fmt: skip
+    value = sink.registry.get_sample_value
+    assert value("ddp_train_eval_metric", LABEL_VALUES) == 0.75
+    assert value("ddp_train_eval_value", {**LABEL_VALUES, "metric": "loss"}) == 0.5
+    assert value("ddp_train_eval_value", {**LABEL_VALUES, "metric": "token_accuracy"}) == 0.75
+
+
 def test_the_registry_holds_the_metric_set_with_four_labels_on_every_series(sink):
     families = {family.name: family for family in sink.registry.collect()}
     assert {name: family.type for name, family in families.items()} == FAMILIES
@@ -88,6 +100,8 @@ def test_the_registry_holds_the_metric_set_with_four_labels_on_every_series(sink
             extra = set(sample.labels) - set(LABELS) - {"le"}
             if family.name == "ddp_train_build":
                 assert extra == {"torch_version", "service_version", "backend", "device", "launcher"}
+            elif family.name == "ddp_train_eval_value":
+                assert extra == {"metric"}
             else:
                 assert not extra, sample
             assert {key: sample.labels[key] for key in LABELS} == LABEL_VALUES, sample

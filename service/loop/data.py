@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -32,12 +34,14 @@ class SignalSafeLoader(DataLoader):
             return super().__iter__()
 
 
-def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) -> tuple[DataLoader, PlanSampler]:
+def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int,
+                 collate: Callable[[list[Any]], Any] | None = None) -> tuple[DataLoader, PlanSampler]:  # fmt: skip
     """Micro-batches in plan order; call ``sampler.position(epoch, cursor)`` before each pass."""
     sampler = PlanSampler(plan)
     loader = SignalSafeLoader(
         dataset,
         batch_sampler=sampler,
+        collate_fn=collate,
         num_workers=data.num_workers,
         pin_memory=data.pin_memory,
         persistent_workers=data.num_workers > 0,
@@ -47,11 +51,13 @@ def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int) 
     return loader, sampler
 
 
-def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: WorldInfo) -> DataLoader:
+def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: WorldInfo,
+                collate: Callable[[list[Any]], Any] | None = None) -> DataLoader:  # fmt: skip
     """Every eval sample exactly once across ranks: no padding duplicates, so all-reduced means are exact."""
     shard = range(world.rank, len(dataset), world.world_size)  # type: ignore[arg-type]
     return SignalSafeLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=data.num_workers,
-                            pin_memory=data.pin_memory, worker_init_fn=ignore_in_data_workers)  # fmt: skip
+                            pin_memory=data.pin_memory, worker_init_fn=ignore_in_data_workers,
+                            collate_fn=collate)  # fmt: skip
 
 
 class SampleTrace:

@@ -11,19 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from service.config import JobConfig
 from service.loop.nonfinite import NonfiniteGuard
+from service.loop.optim import LRSchedule
 from service.loop.parallel import unwrap
 from service.loop.precision import Precision
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
+from service.loop.steps import TaskStep
 from service.state.preemption import Preemption
-from service.state.resume import (
-    Resumed,
-)
+from service.state.resume import Resumed
 from service.tasks.base import Task
 from service.telemetry.summary import model_digest
 from service.world.env import WorldInfo
@@ -55,9 +54,11 @@ class Job:
     world: WorldInfo
     device: torch.device
     task: Task
+    step: TaskStep
+    eval_names: list[str]
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: LambdaLR
+    scheduler: LRSchedule
     plan: DataPlan
     sampler: PlanSampler
     loader: DataLoader
@@ -97,10 +98,12 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
         "restarts": job.world.restart_count,
         "nonfinite_steps": job.nonfinite.skipped,
         "final_loss": report.loss if report else None,
-        "eval_metric": {"name": job.task.metric_name, "value": report.metric if report else None},
+        "eval_metric": {"name": job.step.headline(job.eval_names), "value": report.metric if report else None},
+        "eval_metrics": dict(report.metrics) if report else {},
         "checkpoint": {
             "last": str(job.roles.checkpointer.last_path or "") or None,
             "failures": job.roles.checkpointer.failures,
+            "best": job.roles.checkpointer.best.describe() if job.roles.checkpointer.best else None,
         },
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,

@@ -6,6 +6,7 @@ import inspect
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from service.config import DDPConfig, TrainConfig
-from service.errors import backward
+from service.errors import backward, buffer_hint
 from service.loop.syncbn import convert_sync_batchnorm
 from service.world.env import EnvError, WorldInfo
 
@@ -35,15 +36,20 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
     model = model.to(device)
     if train.compile:
         compile_in_place(model, "inductor" if train.compile is True else train.compile)
-    return DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=ddp.find_unused_parameters,
-        # None keeps torch's default: 25 MiB buckets after a small first one, so the
-        # all-reduce of the last layers' gradients starts while backward still runs.
-        bucket_cap_mb=ddp.bucket_cap_mb,
-        **_buffer_sync_kwargs(ddp.broadcast_buffers),
-    )
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+            return DistributedDataParallel(
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=ddp.find_unused_parameters,
+                # None keeps torch's default: 25 MiB buckets after a small first one, so the
+                # all-reduce of the last layers' gradients starts while backward still runs.
+                bucket_cap_mb=ddp.bucket_cap_mb,
+                **_buffer_sync_kwargs(ddp.broadcast_buffers),
+            )
+    except RuntimeError as exc:  # DDP's first broadcast of the buffers
+        raise buffer_hint(exc) from exc
 
 
 def compile_in_place(model: nn.Module, backend: str) -> None:
@@ -63,7 +69,8 @@ def compile_in_place(model: nn.Module, backend: str) -> None:
              time.perf_counter() - started)  # fmt: skip
 
 
-def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch.Tensor], autocast: Any) -> None:
+def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], Any],
+                   loss: Callable[[nn.Module, Any], torch.Tensor], autocast: Any) -> None:  # fmt: skip
     """One backward of zeros through DDP before training, so every step of every start sees the same buckets.
 
     DDP regroups its gradient buckets once, after a process's first backward, in the order the gradients
@@ -73,7 +80,8 @@ def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch
     bits. This backward, on every start and before any real step, gives every real step the regrouped
     layout. In eval mode (no BatchNorm statistics move, no dropout), under a forked RNG, with a loss of 0 and
     the gradients dropped after: parameters, buffers, optimizer and RNG are as before. ``sample()`` gives one
-    input batch on the model's device (one read of the dataset outside the loader); it is only called where
+    batch on the model's device (one read of the dataset outside the loader), ``loss(model, batch)`` the
+    task's loss of it times zero (the same graph as a real step's); they are only called where
     the order matters: 2 numbers add up the same in either order, so worlds of 1 and 2 skip all this.
     """
     if not isinstance(model, DistributedDataParallel) or world_size < 3:
@@ -81,18 +89,24 @@ def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], torch
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
-        inputs = sample()  # a dataset may draw random numbers too
+        batch = sample()  # a dataset may draw random numbers too
         with autocast():
-            output = model(inputs)
-    backward(output.float().sum() * 0)  # the in-place error gets its hint here too
+            zero = loss(model, batch)
+    backward(zero)  # the in-place error gets its hint here too
     model.zero_grad(set_to_none=True)
     model.train(was_training)
 
 
 def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:
-    """Newer torch renames the per-forward buffer broadcast ``forward_sync_buffers``; older has only the old name."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": broadcast_buffers}
+    """``ddp.broadcast_buffers: false`` leaves the buffers alone, at the wrap and at every forward.
+
+    torch 2.13 renames the per-forward broadcast ``forward_sync_buffers``, which
+    still broadcasts buffers when DDP wraps the model; only the old
+    ``broadcast_buffers=False`` skips that too (a buffer that is a view of
+    shared memory fails it). Every rank builds its buffers from the same seed.
+    """
+    if broadcast_buffers and "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": True}
     return {"broadcast_buffers": broadcast_buffers}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.config import JobConfig
 from service.loop.data import FileSampleTrace, SampleTrace
+from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.telemetry.metrics import (
     FanOutSink,
@@ -58,12 +59,13 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
     fresh = ckpt.resume == "never" and resumed_step is None  # never: the job's first start; its restarts resume
+    best = BestRule(ckpt.best.metric, ckpt.best.mode) if ckpt.best is not None else None
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
                           ckpt.async_save, start_fresh=fresh, pin=device_is_cuda,
-                          saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint)
+                          saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint, best_rule=best)
         if is_rank0
-        else Checkpointer()
+        else Checkpointer(best)
     )  # fmt: skip
     summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()

@@ -22,14 +22,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from service.config import JobConfig, TrainConfig
+from service.loop.batches import checked_collate, to_device
 from service.loop.data import eval_loader, train_loader
 from service.loop.job import Job, LoopState, make_summary
 from service.loop.nonfinite import NonfiniteGuard
+from service.loop.optim import build_optimizer, build_schedule
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
 from service.loop.precision import Precision
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_factor, lr_lambda  # noqa: F401 (lr_factor: imported from here by callers)
+from service.loop.steps import TaskInterfaceError, TaskStep
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
@@ -41,8 +44,9 @@ from service.state.resume import (
     restore,
     rng_state,
 )
+from service.state.weights import init_model
 from service.tasks.loader import load_task
-from service.telemetry.metrics import EvalReport, StepReport, count_tokens
+from service.telemetry.metrics import EvalReport, StepReport
 from service.world.distributed import DistContext, any_rank
 from service.world.env import WorldInfo
 
@@ -85,38 +89,48 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     preemption.connect(any_rank(dist_ctx.control))
     torch.manual_seed(config.seed)
     task = load_task(config.task, config.seed, config.task_options)
+    step = TaskStep(task, config.task)
+    collate = task.collate_fn or checked_collate(config.task)
     train = config.train
-    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
     checkpoints = Path(config.run_dir) / "checkpoints"
     own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
                                   config.checkpoint.resume, own)  # fmt: skip
+    if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
+        init_model(task.model, config.init_from.path, config.init_from.strict)
+    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
     if resumed is not None:
         check_compatible(resumed, config)
     state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
     plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
     total_steps = plan_total_steps(plan, state, train)
-    optimizer = make_optimizer(model.parameters(), train)
-    scheduler = LambdaLR(optimizer, lr_lambda(train, total_steps))
+    module = unwrap(model)
+    optimizer = build_optimizer(task, config.task, module, lambda: make_optimizer(model.parameters(), train))
+    scheduler = build_schedule(task, config.task, optimizer, total_steps,
+                               lambda: LambdaLR(optimizer, lr_lambda(train, total_steps)))  # fmt: skip
     precision = Precision.for_job(train.amp, dist_ctx.device)
     if resumed is not None:
-        restore(resumed, unwrap(model), optimizer, scheduler, world.world_size, global_batch, precision)
+        restore(resumed, module, optimizer, scheduler, world.world_size, global_batch, precision)
+    autocast = precision.autocast
+    one_sample = lambda dataset: to_device(collate([dataset[0]]), dist_ctx.device)  # noqa: E731
     # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
-    settle_buckets(model, world.world_size, lambda: task.train_set[0][0].unsqueeze(0).to(dist_ctx.device),
-                   precision.autocast)  # fmt: skip
-    loader, sampler = train_loader(task.train_set, plan, config.data, config.seed)
+    settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, autocast)
+    eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), autocast)  # type: ignore[arg-type]
+    loader, sampler = train_loader(task.train_set, plan, config.data, config.seed, collate)
     job = Job(
         config=config,
         world=world,
         device=dist_ctx.device,
         task=task,
+        step=step,
+        eval_names=eval_names,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
         sampler=sampler,
         loader=loader,
-        eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world),
+        eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world, collate),
         roles=build_roles(
             config,
             world,
@@ -136,6 +150,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         precision=precision,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
     return job
 
@@ -155,23 +170,22 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     np.random.seed(value)
 
 
-def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[tuple[Tensor, Tensor]], step: int) -> Tensor:
+def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int) -> Tensor:
     """Forward/backward each micro-batch (gradient sync only on the last), then one optimizer step.
 
     Each micro-batch's mean loss is scaled by its plan weight, so the gradient
     DDP averages is the mean over every sample of the global step. Returns the
     step's loss (a detached tensor: no host sync here).
     """
-    model, count = job.model, len(micro_batches)
+    model, count, loss_of = job.model, len(micro_batches), job.step.loss
     loss_sum = torch.zeros((), device=job.device)
-    for index, ((inputs, targets), part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
-        inputs = inputs.to(job.device, non_blocking=True)
-        targets = targets.to(job.device, non_blocking=True)
+    for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
+        batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
         sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
         with sync:
             with job.autocast():
-                loss = job.task.loss_fn(model(inputs), targets)
+                loss = loss_of(model, batch)
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
@@ -215,8 +229,11 @@ class _Window:
         return report
 
 
-def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
+def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalReport | None]) -> str:
     """Steps from the cursor to the end of the epoch; returns why it stopped.
+
+    With ``train.eval_every``, evaluates every that many optimizer steps (but
+    the last, which :func:`train` evaluates), appending to ``evals``.
 
     ``"epoch"``: the epoch is done; ``"steps"``: ``total_steps`` reached;
     ``"preempted"``: a rank was signalled (the step that just ran is kept);
@@ -227,7 +244,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
     job.model.train()
     job.sampler.position(state.epoch, state.cursor)
     batches = iter(job.loader)
-    log_every, roles, seed = job.config.train.log_every, job.roles, job.config.seed
+    log_every, eval_every, roles, seed = job.config.train.log_every, job.config.train.eval_every, job.roles, \
+        job.config.seed  # fmt: skip
     for plan in job.plan.steps(state.epoch, state.cursor):
         started = time.perf_counter()  # host timers only: no device sync for the metrics
         micro = [next(batches) for _ in plan.micro]
@@ -241,13 +259,19 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
         reals = [part.real for part in plan.micro]
         rank_samples = sum(reals)
         window.add(loss, rank_samples)
-        tokens = count_tokens(job.task.tokens_fn, micro, reals)
+        tokens = job.step.count_tokens(micro, reals)
         roles.sink.on_step(rank_samples, time.perf_counter() - started, fetched - started, tokens)
         roles.trace.record(plan, state.global_step)
         if state.global_step % log_every == 0:
             roles.sink.on_report(window.report(job, state))
         if stop := job.preemption.stop_now():
             return stop
+        if eval_every and state.global_step % eval_every == 0 and state.global_step < job.total_steps:
+            evals.append(evaluate(job, state))
+            keep_if_best(job, state, evals[-1])  # checkpoint.best
+            job.model.train()
+            if stop := job.preemption.stop_here():  # a signal during the evaluation
+                return stop
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"
@@ -255,34 +279,41 @@ def train_epoch(job: Job, state: LoopState, window: _Window) -> str:
 
 
 @torch.no_grad()
-def evaluate(job: Job, state: LoopState) -> EvalReport:
-    """Mean loss and metric over the whole eval set, summed across ranks.
+def evaluate(job: Job, state: LoopState) -> EvalReport | None:
+    """Each eval value's mean over the whole eval set, summed across ranks; None for an empty eval set.
 
     Runs the unwrapped model: DDP's forward would broadcast buffers, a collective
     that ranks with different shard lengths would not all join.
     """
+    names = job.eval_names
+    if not names:
+        return None
     model = unwrap(job.model)
     model.eval()
-    totals = torch.zeros(3, device=job.device, dtype=torch.float64)
-    for inputs, targets in job.eval_loader:
-        inputs, targets = inputs.to(job.device), targets.to(job.device)
-        with job.autocast():
-            outputs = model(inputs)
-        outputs = outputs.float()
-        totals[0] += job.task.loss_fn(outputs, targets).double() * len(inputs)
-        totals[1] += job.task.metric_fn(outputs, targets).double().sum()
-        totals[2] += len(inputs)
+    totals = torch.zeros(len(names) + 1, device=job.device, dtype=torch.float64)
+    for batch in job.eval_loader:
+        sums, count = job.step.eval_values(model, to_device(batch, job.device), job.autocast)
+        if list(sums) != names:
+            raise TaskInterfaceError(
+                f"The eval_fn of task {job.config.task!r} returned the values {list(sums)} for one batch and "
+                f"{names} for the first; it must return the same names for every batch."
+            )
+        totals[:-1] += torch.stack(list(sums.values()))
+        totals[-1] += count
     dist.all_reduce(totals)
-    count = max(totals[2].item(), 1.0)
-    report = EvalReport(
-        epoch=state.epoch,
-        global_step=state.global_step,
-        loss=totals[0].item() / count,
-        metric_name=job.task.metric_name,
-        metric=totals[1].item() / count,
-    )
+    samples = max(totals[-1].item(), 1.0)
+    means = {name: value / samples for name, value in zip(names, totals[:-1].tolist(), strict=True)}
+    report = EvalReport(epoch=state.epoch, global_step=state.global_step, metrics=means,
+                        metric_name=job.step.headline(names))  # fmt: skip
+    job.scheduler.evaluated(means)
     job.roles.sink.on_eval(report)
     return report
+
+
+def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
+    """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
+    if report is not None:
+        job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
 
 
 def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
@@ -308,24 +339,31 @@ def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
 
 
 def train(job: Job) -> dict[str, Any]:
-    """Run from where the job stands to ``total_steps``, evaluating after each epoch; stop early if preempted."""
+    """Run from where the job stands to ``total_steps``, evaluating after each epoch (or every
+    ``train.eval_every`` steps) and at the end; stop early if preempted."""
     started = time.perf_counter()
-    state, window, report, status = job.state, _Window(job.device), None, "completed"
+    state, window, status = job.state, _Window(job.device), "completed"
+    evals: list[EvalReport | None] = []
+    every_epoch = job.config.train.eval_every is None
     start_samples = state.samples_seen
     try:
         while True:
             if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
                 status = stop
                 break
-            outcome = train_epoch(job, state, window)
+            outcome = train_epoch(job, state, window, evals)
             if outcome in ("preempted", "lock_lost"):
                 status = outcome
                 break
             if outcome == "epoch":
                 state.epochs_completed += 1
-            report = evaluate(job, state)
+            evaluated = every_epoch or state.global_step >= job.total_steps
+            if evaluated:
+                evals.append(evaluate(job, state))
             if outcome == "epoch":
                 state.epoch, state.cursor = state.epoch + 1, 0
+            if evaluated:  # checkpoint.best, once the epoch's end is in the state (a resume starts the next one)
+                keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
@@ -333,11 +371,13 @@ def train(job: Job) -> dict[str, Any]:
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
     except Exception as exc:
         seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
+        report = evals[-1] if evals else None
         failed = make_summary(job, state, report, seconds, trained, "failed", error=f"{type(exc).__name__}: {exc}")
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
             job.roles.summary.write(failed)
         raise
     seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
-    summary = make_summary(job, state, report, seconds, trained, status, error=job.preemption.lock_lost)
+    last = evals[-1] if evals else None
+    summary = make_summary(job, state, last, seconds, trained, status, error=job.preemption.lock_lost)
     job.roles.summary.write(summary)
     return summary

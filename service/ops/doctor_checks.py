@@ -241,10 +241,11 @@ def checkpoint_bytes(task: Any, config: JobConfig) -> int:
     """
     import torch
 
+    from service.loop.optim import build_optimizer
     from service.loop.train import make_optimizer
 
     model = task.model
-    optimizer = make_optimizer(model.parameters(), config.train)
+    optimizer = build_optimizer(task, config.task, model, lambda: make_optimizer(model.parameters(), config.train))
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
@@ -279,13 +280,10 @@ def check_run_dir(config: JobConfig, one_checkpoint: int | None) -> Check:
 
 
 def batch_bytes(task: Any, batch_size: int) -> int:
-    """Bytes of one batch of training samples, from the first sample's tensors."""
-    import torch
+    """Bytes of one batch of training samples, from the first sample's tensors (in any nesting)."""
+    from service.loop.batches import tensors
 
-    sample = task.train_set[0]
-    items = sample if isinstance(sample, (tuple, list)) else [sample]
-    per_sample = sum(item.nbytes for item in items if isinstance(item, torch.Tensor))
-    return per_sample * batch_size
+    return sum(tensor.nbytes for tensor in tensors(task.train_set[0])) * batch_size
 
 
 def check_shm(config: JobConfig, nproc: int, one_batch: int | None, shm: Path = Path("/dev/shm")) -> Check:

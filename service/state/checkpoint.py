@@ -16,18 +16,21 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from service.state.best import BestRecord, BestRule, read_best, write_best
 from service.state.checkpoint_io import (
     CheckpointWriteError,
     candidate_steps,
+    describe_write_error,
     nearest_existing,
     prune,
+    read_manifest,
     state_name,
     write_checkpoint,
 )
@@ -38,11 +41,15 @@ StateFn = Callable[[], dict[str, Any]]
 
 
 class Checkpointer:
-    """Saves nothing: what every rank but 0 gets."""
+    """Saves nothing: what every rank but 0 gets (it still checks that ``checkpoint.best`` names a result)."""
 
     failures = 0
     last_path: Path | None = None
     lineage: str | None = None
+    best: BestRecord | None = None
+
+    def __init__(self, best_rule: BestRule | None = None) -> None:
+        self.best_rule = best_rule
 
     def preflight(self, model: torch.nn.Module) -> None:
         """Before training: is there room for a checkpoint of this model?"""
@@ -58,6 +65,16 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Save nothing more: run_dir's lock was lost, another job may own the directory now."""
+
+    def check_metrics(self, names: Sequence[str]) -> None:
+        """Before training: ``checkpoint.best`` ranks by one of the names the evaluation will report."""
+        if self.best_rule is not None:
+            self.best_rule.value_of(dict.fromkeys(names, 0.0))
+
+    def on_eval(self, global_step: int, results: Mapping[str, float], state: StateFn) -> None:
+        """After each evaluation (``results``: name → value): keep this step's checkpoint if it is the best so far."""
+        if self.best_rule is not None:
+            self.best_rule.value_of(results)  # an unknown metric fails on every rank at the first evaluation
 
 
 class StagingBuffer:
@@ -86,7 +103,9 @@ class Rank0Checkpointer(Checkpointer):
     def __init__(self, directory: Path, every_steps: int, keep: int, config_hash: str, on_error: str,
                  async_save: bool, start_fresh: bool = False, pin: bool = False,
                  saved_step: int | None = None, lineage: str | None = None,
-                 on_save: Callable[[float, bool], None] | None = None) -> None:  # fmt: skip
+                 on_save: Callable[[float, bool], None] | None = None,
+                 best_rule: BestRule | None = None) -> None:  # fmt: skip
+        super().__init__(best_rule)
         self.on_save = on_save  # (seconds, ok) after each write, from the writer thread for background saves
         self.directory = directory
         self.every_steps = every_steps
@@ -108,6 +127,29 @@ class Rank0Checkpointer(Checkpointer):
         self._lineages = {self.lineage, *([None] if saved_step is not None and lineage is None else [])}
         if start_fresh:
             archive_existing(directory)
+        self._pointed: int | None = None  # the step best.json names on disk: pruning spares it until it is replaced
+        self.best = self._carried_best() if best_rule is not None and saved_step is not None else None
+
+    def _carried_best(self) -> BestRecord | None:
+        """The best so far of the run this one resumes (``best.json``), when it ranks by the same rule."""
+        rule = self.best_rule
+        try:
+            record = read_best(self.directory)
+            if record is not None:
+                read_manifest(self.directory, record.step)  # its checkpoint is still there
+        except ValueError as exc:
+            log.warning("not carrying on the best checkpoint: %s; the next evaluation starts a new best", exc)
+            return None
+        if record is None or rule is None or record.lineage not in self._lineages:
+            return None
+        self._pointed = record.step
+        if (record.metric, record.mode) != (rule.metric, rule.mode):
+            log.warning("checkpoint.best changed from %s/%s to %s/%s: the next evaluation starts a new best "
+                        "(step %d stays the best until then)", record.metric, record.mode, rule.metric,
+                        rule.mode, record.step)  # fmt: skip
+            return None
+        log.info("best checkpoint so far: step %d, %s %.6g", record.step, record.metric, record.value)
+        return record
 
     def preflight(self, model: torch.nn.Module) -> None:
         """Refuse to start when the next checkpoint cannot fit: the model, and up to two optimizer slots per weight."""
@@ -122,8 +164,8 @@ class Rank0Checkpointer(Checkpointer):
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         self._report_background()
-        if self.fenced or not self.every_steps or global_step % self.every_steps:
-            return
+        if self.fenced or not self.every_steps or global_step % self.every_steps or global_step == self.saved_step:
+            return  # (saved already: checkpoint.best kept this step when it was evaluated)
         staging, writer = self._staging, self._writer
         if staging is None or writer is None:
             self._write(global_step, state())
@@ -162,6 +204,40 @@ class Rank0Checkpointer(Checkpointer):
         with self._writing:  # once this returns, nothing more is written or pruned
             self.fenced = True
 
+    def on_eval(self, global_step: int, results: Mapping[str, float], state: StateFn) -> None:
+        rule = self.best_rule
+        if rule is None:
+            return
+        value = rule.value_of(results)
+        if self.fenced or not rule.improves(value, self.best):
+            return
+        self._wait()  # a background save of this very step may be in flight
+        self._report_background()
+        if self.saved_step != global_step:
+            self._write(global_step, state())
+            if self.saved_step != global_step:  # the save failed under on_error=continue, or a fence
+                log.error("step %d is the best so far (%s %.6g) but its checkpoint was not saved", global_step,
+                          rule.metric, value)  # fmt: skip
+                return
+        record = rule.record(global_step, value, self.lineage)
+        with self._writing:
+            if self.fenced:
+                return
+            try:
+                write_best(self.directory, record)
+            except OSError as exc:
+                with self._lock:
+                    self.failures += 1
+                self._handle(CheckpointWriteError(describe_write_error(exc, self.directory / "best.json")))
+                return
+            previous, self.best, self._pointed = self.best, record, global_step
+            prune(self.directory, self.keep, global_step, self._lineages, self._protected())
+        log.info("best checkpoint: step %d (%s %.6g%s)", global_step, rule.metric, value,
+                 f", was step {previous.step} with {previous.value:.6g}" if previous else "")  # fmt: skip
+
+    def _protected(self) -> tuple[int, ...]:
+        return (self._pointed,) if self._pointed is not None else ()
+
     def _write_staged(self, global_step: int, staged: dict[str, Any], ready: Any) -> None:
         if ready is not None:
             ready.synchronize()
@@ -190,7 +266,7 @@ class Rank0Checkpointer(Checkpointer):
         self._report(time.perf_counter() - started, True)
         log.info("checkpoint saved: %s (%.1f MiB in %.2f s%s)", self.last_path, manifest.size / 2**20,
                  time.perf_counter() - started, ", background" if background else "")  # fmt: skip
-        prune(self.directory, self.keep, global_step, self._lineages)
+        prune(self.directory, self.keep, global_step, self._lineages, self._protected())
 
     def _report(self, seconds: float, ok: bool) -> None:
         if self.on_save is not None:

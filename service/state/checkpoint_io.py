@@ -296,21 +296,29 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
     return manifest, payload
 
 
+_RESUME_FIX = ("A checkpoint written by this service never does that: delete the file (and its manifest) if you "
+               "did not put it there yourself, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
+
+
+def load_tensors(payload: bytes, source: str, fix: str = _RESUME_FIX) -> Any:
+    """``torch.load(weights_only=True)`` of ``payload``: tensors and plain containers only; anything else is refused
+    with :class:`UnsafeCheckpointError` (ending in ``fix``) before any of it runs."""
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"Refused to load {source}: it holds pickled objects other than tensors and plain containers "
+            f"({str(exc).splitlines()[0][:200]}). Nothing in it was executed. {fix}"
+        ) from None
+    except (RuntimeError, ValueError, EOFError) as exc:
+        raise ValueError(f"{source} is not a readable torch checkpoint ({str(exc).splitlines()[0][:200]})") from exc
+
+
 def load_state(payload: bytes, source: str) -> dict[str, Any]:
     """Unpickle a state with ``weights_only=True``; refuse, without running it, anything else."""
     if not payload.startswith(b"PK\x03\x04"):
         raise ValueError(f"{source} is not a torch checkpoint (torch.save writes a zip archive)")
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"Refused to load {source}: it holds pickled objects other than tensors and plain containers "
-            f"({str(exc).splitlines()[0][:200]}). Nothing in it was executed. A checkpoint written by this "
-            "service never does that: delete the file (and its manifest) if you did not put it there "
-            "yourself, or start afresh with --set checkpoint.resume=never."
-        ) from None
-    except (RuntimeError, ValueError, EOFError) as exc:
-        raise ValueError(f"{source} is not a readable torch checkpoint ({str(exc).splitlines()[0][:200]})") from exc
+    state = load_tensors(payload, source)
     if not isinstance(state, dict) or state.get("format") != FORMAT or any(k not in state for k in REQUIRED_KEYS):
         raise ValueError(f"{source} is not a ddp-service checkpoint of format {FORMAT}")
     return state
@@ -331,14 +339,15 @@ def scan(directory: Path, lineages: Collection[str | None] | None = None) -> Ite
             log.warning("skipping checkpoint %s: %s", directory / state_name(step), exc)
 
 
-def prune(directory: Path, keep: int, newest: int, lineages: Collection[str | None] | None = None) -> None:
+def prune(directory: Path, keep: int, newest: int, lineages: Collection[str | None] | None = None,
+          protect: Collection[int] = ()) -> None:  # fmt: skip
     """Keep the ``keep`` newest checkpoints up to ``newest`` (just written and complete); drop older ones.
 
     A manifest goes before its state file, so nothing half-deleted looks valid.
     Leftover temporary files and state files without a manifest below the
     kept ones go too. With ``lineages``, checkpoints whose manifest names
     another lineage (another run wrote them into this directory) are neither
-    counted nor deleted.
+    counted nor deleted, nor are the steps in ``protect`` (the best checkpoint).
     """
 
     def ours(step: int) -> bool:
@@ -354,7 +363,7 @@ def prune(directory: Path, keep: int, newest: int, lineages: Collection[str | No
     if newest not in kept or len(kept) < keep:
         return
     for step in steps:
-        if step < kept[-1]:
+        if step < kept[-1] and step not in protect:
             (directory / manifest_name(step)).unlink(missing_ok=True)
             (directory / state_name(step)).unlink(missing_ok=True)
     for leftover in directory.glob(".step-*.tmp"):

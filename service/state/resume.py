@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 MUTABLE = (
     "run_dir", "metrics", "checkpoint", "dist", "train.log_every", "train.progress_bar",
     "data.num_workers", "data.pin_memory", "data.trace", "ddp.bucket_cap_mb", "ddp.find_unused_parameters",
-    "train.nonfinite", "train.compile",
+    "train.nonfinite", "init_from", "train.compile",
 )  # fmt: skip
 
 

@@ -60,6 +60,9 @@ def load_task(reference: str, seed: int, options: Mapping[str, Any]) -> Task:
     if not isinstance(task, Task):
         raise TaskError(
             f"The task function {reference!r} returned {type(task).__name__}, not service.tasks.base.Task. "
-            "Return Task(model=..., train_set=..., eval_set=..., loss_fn=..., metric_fn=..., metric_name=...)."
+            "Return Task(model=..., train_set=..., eval_set=..., loss_fn=..., metric_fn=..., metric_name=...) "
+            "or Task(model=..., train_set=..., eval_set=..., step_fn=...)."
         )
+    if problems := task.problems():
+        raise TaskError(f"The task {reference!r} cannot be trained: {'; '.join(problems)}.")
     return task

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,20 @@ class StepReport:
 
 @dataclasses.dataclass(frozen=True)
 class EvalReport:
+    """Each eval value's mean over the whole eval set; ``metric_name`` is the headline one (the task's metric)."""
+
     epoch: int
     global_step: int
-    loss: float
+    metrics: Mapping[str, float]
     metric_name: str
-    metric: float
+
+    @property
+    def loss(self) -> float | None:
+        return self.metrics.get("loss")
+
+    @property
+    def metric(self) -> float:
+        return self.metrics[self.metric_name]
 
 
 class MetricsSink:
@@ -115,8 +124,8 @@ class LogSink(MetricsSink):
         )  # fmt: skip
 
     def on_eval(self, report: EvalReport) -> None:
-        log.info("eval epoch %d step %d loss %.4f %s %.4f", report.epoch, report.global_step,
-                 report.loss, report.metric_name, report.metric)  # fmt: skip
+        values = " ".join(f"{name} {value:.4f}" for name, value in report.metrics.items())
+        log.info("eval epoch %d step %d %s", report.epoch, report.global_step, values)
 
 
 class ProgressSink(MetricsSink):
@@ -152,8 +161,8 @@ class TensorBoardSink(MetricsSink):
         self.writer.add_scalar("train/rank_samples_per_second", report.rank_samples_per_second, report.global_step)
 
     def on_eval(self, report: EvalReport) -> None:
-        self.writer.add_scalar("eval/loss", report.loss, report.global_step)
-        self.writer.add_scalar(f"eval/{report.metric_name}", report.metric, report.global_step)
+        for name, value in report.metrics.items():
+            self.writer.add_scalar(f"eval/{name}", value, report.global_step)
 
     def close(self) -> None:
         self.writer.close()
@@ -171,13 +180,6 @@ def metric_labels(world: Any) -> dict[str, str]:
     """The four labels of every series (a ``WorldInfo``); ``job`` and ``instance`` are Prometheus's own."""
     return {"rank": str(world.rank), "local_rank": str(world.local_rank), "node_rank": str(world.node_rank),
             "run_id": world.run_id or "none"}  # fmt: skip
-
-
-def count_tokens(tokens_fn: Callable[[Any], int] | None, micro: Sequence[tuple[Any, Any]], reals: Sequence[int]) -> int:
-    """Tokens in one step's real samples (fillers excluded), from the loader's host tensors; 0 without ``tokens_fn``."""
-    if tokens_fn is None:
-        return 0
-    return sum(int(tokens_fn(inputs[:real])) for (inputs, _), real in zip(micro, reals, strict=True) if real)
 
 
 class PrometheusSink(MetricsSink):
@@ -217,6 +219,9 @@ class PrometheusSink(MetricsSink):
         self.global_step = metric(Gauge, "global_step", "Optimizer steps of the whole run, at the last logging step.")
         self.throughput = metric(Gauge, "samples_per_second", "This rank's training throughput.")
         self.eval_metric = metric(Gauge, "eval_metric", "The task's eval metric after the last evaluation.")
+        self.eval_value = Gauge(f"{PREFIX}eval_value", "Each eval value (its mean over the eval set) after the "
+                                "last evaluation, named by label metric.", [*names, "metric"],
+                                registry=self.registry)  # fmt: skip
         self.checkpoint_seconds = histogram("checkpoint_save_seconds", "Time to write one checkpoint (rank 0).")
         self.checkpoint_last = metric(Gauge, "checkpoint_last_success_timestamp_seconds",
                                       "Unix time of the last successful checkpoint save; 0 before any.")  # fmt: skip
@@ -285,6 +290,8 @@ class PrometheusSink(MetricsSink):
 
     def on_eval(self, report: EvalReport) -> None:
         self.eval_metric.set(report.metric)
+        for name, value in report.metrics.items():
+            self.eval_value.labels(**self.labels, metric=name).set(value)
 
     def on_checkpoint(self, seconds: float, ok: bool) -> None:
         if ok:

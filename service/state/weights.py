@@ -1,0 +1,277 @@
+"""Model weights alone: read from a checkpoint, a state dict file or safetensors; exported; loaded into a model.
+
+``ddp-service export`` writes a checkpoint's ``model`` entry for inference
+(:func:`export_weights`); ``init_from`` starts a fresh run from a weights file
+(:func:`init_model`). Both read through the checks a resume uses
+(:mod:`service.state.checkpoint_io`): a service checkpoint only after its
+manifest's size and sha256 match, and every torch file with
+``weights_only=True``, so a pickle that holds code is refused before it runs.
+Keys lose the ``module.`` (DDP, DataParallel) and ``_orig_mod.``
+(``torch.compile``) prefixes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from service.state.best import read_best
+from service.state.checkpoint_io import (
+    FORMAT,
+    REQUIRED_KEYS,
+    UnsafeCheckpointError,
+    _open_regular,
+    _step_of,
+    candidate_steps,
+    load_state,
+    load_tensors,
+    manifest_name,
+    read_verified,
+    state_name,
+)
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("safetensors", "pt")
+_SHOWN = 5  # keys named in an error, of each kind
+
+
+class WeightsError(ValueError):
+    """A weights file cannot be read or does not fit; the message names the file and the fix."""
+
+    exit_code = 2
+
+
+def strip_prefixes(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Keys without the wrappers' prefixes: leading ``module.``, and ``_orig_mod.`` wherever compile put it."""
+    out: dict[str, Any] = {}
+    for key, value in weights.items():
+        parts = [part for part in key.split(".") if part != "_orig_mod"]
+        while len(parts) > 1 and parts[0] == "module":
+            parts.pop(0)
+        name = ".".join(parts)
+        if name in out:
+            raise WeightsError(f"two keys of the weights both name {name!r} once their module./_orig_mod. prefixes "
+                               f"are stripped (one is {key!r}); save the state dict of one model")  # fmt: skip
+        out[name] = value
+    return out
+
+
+def _names(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN])
+    return f"{len(keys)} ({shown}{', ...' if len(keys) > _SHOWN else ''})"
+
+
+# --- where a checkpoint is -------------------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """``run_dir/checkpoints``, or ``run_dir`` itself when it is a checkpoint directory."""
+    inner = run_dir / "checkpoints"
+    if not inner.is_dir() and candidate_steps(run_dir):
+        return run_dir
+    return inner
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """Steps that have a manifest (a save that finished, checked or not), newest first."""
+    return [step for step in candidate_steps(directory) if (directory / manifest_name(step)).exists()]
+
+
+def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:
+    """The checkpoint directory and step that ``which`` (``latest``, ``best`` or a step number) names."""
+    directory = checkpoint_dir(run_dir)
+    steps = saved_steps(directory)
+    if not steps:
+        raise WeightsError(f"{run_dir} holds no checkpoint (no {directory}/step-NNNNNNNN.json); point it at "
+                           "the run_dir of a run that saved one (checkpoint.every_steps, or its end)")  # fmt: skip
+    if which == "latest":
+        return directory, steps[0]
+    if which == "best":
+        try:
+            record = read_best(directory)
+        except ValueError as exc:
+            raise WeightsError(f"{exc}; export --step latest or a step number instead") from None
+        if record is None:
+            raise WeightsError(f"{run_dir} has no best checkpoint ({directory}/best.json): its run did not set "
+                               "checkpoint.best, or stopped before an evaluation. Train with checkpoint.best: "
+                               "{metric: NAME, mode: min|max}, or export --step latest or a step number.")  # fmt: skip
+        return directory, record.step
+    step = int(which) if which.isdigit() else None
+    if step is None or step not in steps:
+        listed = ", ".join(str(s) for s in sorted(steps))
+        raise WeightsError(f"{run_dir} has no checkpoint of step {which}; it has steps {listed}. Pass one of "
+                           "those, latest or best to --step.")  # fmt: skip
+    return directory, step
+
+
+def checkpoint_weights(directory: Path, step: int) -> dict[str, Tensor]:
+    """The model weights of a checkpoint, read only after its manifest's size and sha256 match."""
+    source = directory / state_name(step)
+    try:
+        _, payload = read_verified(directory, step)
+        return _tensors(load_state(payload, str(source))["model"], str(source))
+    except UnsafeCheckpointError as exc:
+        raise WeightsError(str(exc)) from None
+    except ValueError as exc:
+        if isinstance(exc, WeightsError):
+            raise
+        raise WeightsError(f"Checkpoint {source} cannot be used: {exc}. Nothing was read from its state; pick "
+                           "another step, or re-run the training that wrote it.") from None  # fmt: skip
+
+
+# --- reading a weights file --------------------------------------------------------------------------------------
+
+_PICKLE_FIX = ("It holds code or objects (a whole model saved with torch.save(model), or a training state with "
+               "custom classes), not a state dict. Convert it once, in code you trust: "
+               "torch.save(model.state_dict(), 'weights.pt') (or safetensors.torch.save_file), and point "
+               "init_from at that file.")  # fmt: skip
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """Model weights from a state dict ``.pt``/``.pth``, a ``.safetensors`` file, a service checkpoint
+    (``step-NNNNNNNN.pt`` next to its manifest; its checks first) or a run dir (its newest checkpoint)."""
+    if path.is_dir():
+        return checkpoint_weights(*pick_step(path, "latest"))
+    step = _step_of(path)
+    if step is not None and path.suffix == ".pt" and (path.parent / manifest_name(step)).exists():
+        return checkpoint_weights(path.parent, step)
+    resolved = path.resolve()
+    try:
+        file, _ = _open_regular(resolved.parent, resolved.name)
+    except FileNotFoundError:
+        raise WeightsError(f"{path} does not exist on this node; put the weights file there (or on storage "
+                           "every node sees) or fix the path") from None  # fmt: skip
+    except (ValueError, OSError) as exc:
+        raise WeightsError(f"cannot read {path}: {exc}") from None
+    with file:
+        payload = file.read()
+    if payload.startswith(b"PK\x03\x04") or payload[:1] == b"\x80":  # torch.save: a zip, or the legacy pickle
+        try:
+            loaded = load_tensors(payload, str(path), _PICKLE_FIX)
+        except UnsafeCheckpointError as exc:
+            raise WeightsError(str(exc)) from None
+        except ValueError as exc:
+            raise WeightsError(f"{exc}; save the weights with torch.save(model.state_dict(), PATH)") from None
+        return _state_dict_of(loaded, path)
+    if len(payload) > 8 and payload[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            return dict(load(payload))
+        except SafetensorError as exc:
+            raise WeightsError(f"{path} is not a readable safetensors file ({exc}); write it with "
+                               "safetensors.torch.save_file(model.state_dict(), PATH)") from None  # fmt: skip
+    raise WeightsError(f"{path} is neither a torch file nor a safetensors file; give init_from a state dict "
+                       "saved with torch.save(model.state_dict(), PATH), a .safetensors file or a service "
+                       "checkpoint")  # fmt: skip
+
+
+def _state_dict_of(loaded: Any, path: Path) -> dict[str, Tensor]:
+    if isinstance(loaded, dict) and loaded.get("format") == FORMAT and all(key in loaded for key in REQUIRED_KEYS):
+        raise WeightsError(f"{path} is a ddp-service checkpoint without its manifest, so its checksum cannot be "
+                           f"checked. Keep it as step-NNNNNNNN.pt next to its step-NNNNNNNN.json, or write its "
+                           "weights with `ddp-service export RUN_DIR OUT` and use that file.")  # fmt: skip
+    if isinstance(loaded, dict) and loaded and not any(isinstance(value, Tensor) for value in loaded.values()):
+        for wrapper in ("state_dict", "model"):  # {"state_dict": ...} (Lightning), {"model": ...}
+            if isinstance(loaded.get(wrapper), dict):
+                log.info("%s: reading the state dict under its %r key", path, wrapper)
+                return _tensors(loaded[wrapper], str(path))
+    return _tensors(loaded, str(path))
+
+
+def _tensors(state: Any, source: str) -> dict[str, Tensor]:
+    if not isinstance(state, dict):
+        raise WeightsError(f"{source} holds a {type(state).__name__}, not a state dict; save "
+                           "model.state_dict() (a mapping of names to tensors)")  # fmt: skip
+    bad = [str(key) for key, value in state.items() if not isinstance(key, str) or not isinstance(value, Tensor)]
+    if bad:
+        raise WeightsError(f"{source} is not a state dict of tensors: {_names(bad)} are not a name and a tensor; "
+                           "save model.state_dict()")  # fmt: skip
+    return state
+
+
+# --- into a model ---------------------------------------------------------------------------------------------------
+
+
+def load_weights(model: nn.Module, weights: Mapping[str, Tensor], source: str, strict: bool = True) -> int:
+    """Copy ``weights`` into ``model``, naming what does not fit; returns how many tensors were loaded."""
+    weights = strip_prefixes(weights)
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    shapes = [f"{key} {tuple(value.shape)} in the file, {tuple(expected[key].shape)} in the model"
+              for key, value in weights.items() if key in expected and value.shape != expected[key].shape]  # fmt: skip
+    if shapes:
+        raise WeightsError(f"init_from {source}: {len(shapes)} tensors differ in shape ({'; '.join(shapes[:_SHOWN])}"
+                           f"{'; ...' if len(shapes) > _SHOWN else ''}). Use weights of this task's model with the "
+                           "same task_options.")  # fmt: skip
+    parts = ([f"{_names(missing)} keys of the model are not in the file"] if missing else []) + (
+        [f"{_names(unexpected)} keys of the file are not in the model"] if unexpected else []
+    )
+    if strict and parts:
+        raise WeightsError(f"init_from {source} does not fit the model: {'; '.join(parts)}. Use weights of this "
+                           "task's model, or set init_from: {path: ..., strict: false} to load the keys that match "
+                           "and keep the task's own values for the rest.")  # fmt: skip
+    matched = {key: value for key, value in weights.items() if key in expected}
+    if not matched:
+        raise WeightsError(f"init_from {source}: none of its {len(weights)} keys is a key of the model "
+                           f"({'; '.join(parts)}); it holds another model's weights")  # fmt: skip
+    model.load_state_dict(matched, strict=False)
+    if parts:
+        log.warning("init_from %s (strict: false): %s", source, "; ".join(parts))
+    return len(matched)
+
+
+def init_model(model: nn.Module, path: str | Path, strict: bool = True) -> None:
+    """``init_from``: load a weights file into a freshly built model, before it is wrapped."""
+    try:
+        weights = read_weights(Path(path))
+    except WeightsError as exc:
+        raise WeightsError(f"init_from: {exc}") from None
+    loaded = load_weights(model, weights, str(path), strict)
+    log.info("init_from: loaded %d tensors from %s", loaded, path)
+
+
+# --- out, for inference ---------------------------------------------------------------------------------------------
+
+
+def export_weights(weights: Mapping[str, Tensor], out: Path, fmt: str, metadata: Mapping[str, str]) -> int:
+    """Write ``weights`` to ``out`` atomically; returns how many tied tensors were written as copies.
+
+    safetensors refuses tensors that share memory (a GPT's embedding and its
+    output head): each alias after the first is written as a copy, so every key
+    is present and ``load_state_dict(load_file(out), strict=True)`` works (the
+    model ties them again itself). ``pt`` keeps the sharing.
+    """
+    if fmt not in FORMATS:
+        raise WeightsError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
+    weights = strip_prefixes(weights)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    copies = 0
+    try:
+        if fmt == "pt":
+            torch.save(weights, tmp)
+        else:
+            from safetensors.torch import save_file
+
+            seen: set[int] = set()
+            tensors: dict[str, Tensor] = {}
+            for key, value in weights.items():
+                pointer = value.untyped_storage().data_ptr()
+                alias = value.numel() > 0 and pointer in seen
+                seen.add(pointer)
+                copies += alias
+                tensors[key] = value.detach().clone() if alias else value.detach().contiguous()
+            save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return copies
