@@ -69,11 +69,12 @@ lint: install-test
 
 ## test: the whole suite, real processes included. Most e2e tests wait (on rendezvous rounds, signals,
 ## sleeps in their tasks) more than they compute, so two pytest workers halve the wall time on 2 cores;
-## each takes whole files (--dist loadfile), so a module's cluster or Prometheus fixture starts once.
+## each takes whole files (--dist loadfile), so a module's cluster or Prometheus fixture starts once, in the
+## order tests/conftest.py gives (heaviest first; xdist would otherwise re-sort files by their number of tests).
 ## TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: install-test
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 ## bench: the loop-overhead and rendezvous benchmarks (not tests; they print ratios).
 bench: install-test

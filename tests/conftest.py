@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     ``make test`` hands whole files to two workers (``--dist loadfile``) in collection order, so a heavy
     file collected last (the Slurm or resume files, alphabetically late) ran alone at the end while the
-    other worker idled. Longest first keeps both busy to the end.
+    other worker idled. Longest first keeps both busy to the end. (The Makefile passes --no-loadscope-reorder:
+    xdist would otherwise hand files out by their number of tests, most first, whatever this order says.)
     """
 
     def path(item: pytest.Item) -> str:
