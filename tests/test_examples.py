@@ -1,39 +1,47 @@
 """The three ported examples (examples/*.yaml) under real torchrun at 2 processes, each through a preemption.
 
-Each example runs its own YAML twice at once: straight through, and with its
-torchrun agent sent SIGTERM a few steps in (as a scheduler preempts a job);
-then the preempted run is started again with the same command. The rerun must
-finish with the straight run's ``model_digest``: the task's own step, collate,
-optimizer, scheduler and eval survive a stop mid-epoch bit for bit.
+Each example runs its own YAML twice at once: straight through, and under a
+torchrun agent allowed one restart, whose rank-1 worker gets SIGTERM a few
+steps in (a preemption notice reaching one process). Every rank stops at the
+same step, rank 0 checkpoints it, the workers exit 75 (preempted), and the
+agent starts them again: the same command, resumed from that checkpoint. It
+must finish with the straight run's ``model_digest``: the task's own step,
+collate, optimizer, scheduler and eval survive a stop mid-run bit for bit.
+One agent for both attempts keeps each example to two torchrun starts.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 
 import pytest
-from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
+from conftest import REPO, child_env, kill_group, read_summary, torchrun_cmd
+from procs import worker_pids
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = REPO / "examples"
-ENV = {"PYTHONPATH": f"{REPO}:{EXAMPLES}"}
-# What each example's straight run must reach in its 40 steps (chance: 0.1, 1/45 and 1/24).
+# What each example's straight run must reach in its 40 steps (chance: 0.1, about 1/45 and 1/24).
 LEARNS = {"mnist": ("accuracy", 0.3), "nanogpt": ("accuracy", 0.15), "word_lm": ("accuracy", 0.5)}
 
 
-def start(run_dir, config: str, *overrides: str) -> subprocess.Popen:
-    cmd = torchrun_cmd(2, f"run_dir={run_dir}", *overrides, config=config)
-    return subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", **ENV), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+def start(run_dir, name: str, *launcher: str) -> subprocess.Popen:
+    # log_every may change between starts; 1: a line to act on at every step
+    cmd = torchrun_cmd(2, f"run_dir={run_dir}", "train.log_every=1", config=str(EXAMPLES / f"{name}.yaml"),
+                       launcher=("--standalone", *launcher))  # fmt: skip
+    env = child_env(PYTHONUNBUFFERED="1", PYTHONPATH=f"{REPO}:{EXAMPLES}")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
 
 
-def preempt_at(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """SIGTERM the agent the moment rank 0 logs ``step``; return the whole output once the job has stopped.
+def sigterm_rank1_at(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
+    """SIGTERM the rank-1 worker the moment rank 0 logs ``step``; the whole output once the agent has exited.
 
     The line is read from the pipe as it comes (no polling), so the signal lands
-    within a step or two, long before the job's end.
+    within a step or two, long before the run's end.
     """
     output = []
     try:
@@ -41,7 +49,7 @@ def preempt_at(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
         for line in proc.stdout:
             output.append(line)
             if f"[rank 0] INFO step {step}/" in line:
-                proc.send_signal(signal.SIGTERM)
+                os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
                 break
         rest, _ = proc.communicate(timeout=timeout)
         return "".join(output) + rest
@@ -51,11 +59,9 @@ def preempt_at(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize("name", ["mnist", "nanogpt", "word_lm"])
 def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path, name):
-    config = str(EXAMPLES / f"{name}.yaml")
-    quick = ("train.log_every=1",)  # log_every may change between starts; 1: a line to signal at, every step
-    straight = start(tmp_path / "straight", config, *quick)
-    preempted = start(tmp_path / "run", config, *quick)
-    output = preempt_at(preempted, 3)
+    straight = start(tmp_path / "straight", name)
+    run = start(tmp_path / "run", name, "--max-restarts=1")
+    output = sigterm_rank1_at(run, 3)
     try:
         straight_out, _ = straight.communicate(timeout=120)
     finally:
@@ -64,13 +70,16 @@ def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path
     reference = read_summary(tmp_path / "straight")
     assert reference["status"] == "completed" and reference["world_size"] == 2 and reference["global_step"] == 40
 
-    stopped = read_summary(tmp_path / "run")
-    assert preempted.returncode != 0 and stopped["status"] == "preempted", output[-4000:]
-    assert 3 <= stopped["stopped_at_step"] < 40, stopped  # mid-run: the signal lands within a few steps
-
-    run_job(tmp_path / "run", 2, *quick, config=config, **ENV)
+    assert run.returncode == 0, output[-4000:]
+    stopped = re.search(r"\[rank 0\] WARNING preempted: stopped at step (\d+)", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < 40  # mid-run: every rank stopped at the step the signal reached them
+    assert re.search(r"(?i)exitcode\W+75", output), output[-4000:]  # the agent saw "preempted", and restarted
+    assert re.search(rf"resuming from \S*step-{step:08d}\.pt", output), output[-4000:]
     resumed = read_summary(tmp_path / "run")
-    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped["stopped_at_step"]
+    assert resumed["status"] == "completed" and resumed["restarts"] == 1
+    assert resumed["resumed_from"]["step"] == step
     assert (resumed["global_step"], resumed["samples_seen"]) == (reference["global_step"], reference["samples_seen"])
     assert resumed["model_digest"] == reference["model_digest"]
     assert resumed["eval_metrics"] == reference["eval_metrics"]
