@@ -35,7 +35,7 @@ def test_init_from_best_across_pruning_and_resume_and_export_round_trip(tmp_path
     init = tmp_path / "init.safetensors"
     safetensors.torch.save_file(start, init)
     run_dir = tmp_path / "run"
-    first = run_job(run_dir, 2, *TINY, "train.max_steps=12", f"init_from={init}")
+    first = run_job(run_dir, 2, *TINY, "train.max_steps=12", f"init_from={init}", "logging.all_ranks=true")
     assert first.stdout.count(f"init_from: loaded 40 tensors from {init}") == 2  # every rank, before DDP
     losses = evals(first.stdout)
     assert sorted(losses) == [4, 8, 12]
