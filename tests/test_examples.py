@@ -1,8 +1,10 @@
 """The three ported examples (examples/*.yaml) under real torchrun at 2 processes, each through a preemption.
 
 Each example runs its own YAML twice at once: straight through, and under a
-torchrun agent allowed one restart, whose rank-1 worker gets SIGTERM a few
-steps in (a preemption notice reaching one process). Every rank stops at the
+torchrun agent allowed one restart, whose rank-1 worker gets SIGTERM at step 3
+(a preemption notice reaching one process; it sends it itself, through
+tests/tasks/example_signal.py, because a test that reads the log and then
+signals can lag the whole of a 40-step run of 25 ms steps on a loaded machine). Every rank stops at the
 same step, rank 0 checkpoints it, the workers exit 75 (preempted), and the
 agent starts them again: the same command, resumed from that checkpoint. It
 must finish with the straight run's ``model_digest``: the task's own step,
@@ -12,47 +14,41 @@ One agent for both attempts keeps each example to two torchrun starts.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 
 import pytest
 from conftest import REPO, child_env, kill_group, read_summary, torchrun_cmd
-from procs import worker_pids
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = REPO / "examples"
 # What each example's straight run must reach in its 40 steps (chance: 0.1, about 1/45 and 1/24).
 LEARNS = {"mnist": ("accuracy", 0.3), "nanogpt": ("accuracy", 0.15), "word_lm": ("accuracy", 0.5)}
+# Each example's task, and the samples one rank fetches per optimizer step (batch_size x grad_accum).
+TASKS = {"mnist": ("mnist_cnn:build", 8), "nanogpt": ("nanogpt_char:build", 16), "word_lm": ("word_lm:build", 8)}
 
 
-def start(run_dir, name: str, *launcher: str) -> subprocess.Popen:
-    # log_every may change between starts; 1: a line to act on at every step
-    cmd = torchrun_cmd(2, f"run_dir={run_dir}", "train.log_every=1", config=str(EXAMPLES / f"{name}.yaml"),
-                       launcher=("--standalone", *launcher))  # fmt: skip
-    env = child_env(PYTHONUNBUFFERED="1", PYTHONPATH=f"{REPO}:{EXAMPLES}")
+def start(run_dir, name: str, *launcher: str, overrides: tuple[str, ...] = ()) -> subprocess.Popen:
+    # log_every may change between starts; 1: a line for every step
+    cmd = torchrun_cmd(2, f"run_dir={run_dir}", "train.log_every=1", *overrides,
+                       config=str(EXAMPLES / f"{name}.yaml"), launcher=("--standalone", *launcher))  # fmt: skip
+    env = child_env(PYTHONUNBUFFERED="1", PYTHONPATH=f"{REPO}:{EXAMPLES}:{REPO / 'tests' / 'tasks'}")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
 
 
-def sigterm_rank1_at(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """SIGTERM the rank-1 worker the moment rank 0 logs ``step``; the whole output once the agent has exited.
+def signalled_at(step: int, name: str) -> tuple[str, ...]:
+    """The example's own task, whose rank 1 sends itself SIGTERM while fetching step ``step`` (first attempt)."""
+    task, per_step = TASKS[name]
+    return ("task=example_signal:build", f"task_options.example={task}", f"task_options.signal_step={step}",
+            f"task_options.samples_per_rank_step={per_step}")  # fmt: skip
 
-    The line is read from the pipe as it comes (no polling), so the signal lands
-    within a step or two, long before the run's end.
-    """
-    output = []
+
+def finished(proc: subprocess.Popen, timeout: float = 120) -> str:
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.append(line)
-            if f"[rank 0] INFO step {step}/" in line:
-                os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
-                break
-        rest, _ = proc.communicate(timeout=timeout)
-        return "".join(output) + rest
+        output, _ = proc.communicate(timeout=timeout)
+        return output
     finally:
         kill_group(proc)
 
@@ -60,19 +56,18 @@ def sigterm_rank1_at(proc: subprocess.Popen, step: int, timeout: float = 120) ->
 @pytest.mark.parametrize("name", ["mnist", "nanogpt", "word_lm"])
 def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path, name):
     straight = start(tmp_path / "straight", name)
-    run = start(tmp_path / "run", name, "--max-restarts=1")
-    output = sigterm_rank1_at(run, 3)
-    try:
-        straight_out, _ = straight.communicate(timeout=120)
-    finally:
-        kill_group(straight)
+    run = start(tmp_path / "run", name, "--max-restarts=1", overrides=signalled_at(3, name))
+    output = finished(run)
+    straight_out = finished(straight)
     assert straight.returncode == 0, straight_out[-4000:]
     reference = read_summary(tmp_path / "straight")
     assert reference["status"] == "completed" and reference["world_size"] == 2 and reference["global_step"] == 40
 
     assert run.returncode == 0, output[-4000:]
-    stopped = re.search(r"\[rank 0\] WARNING preempted: stopped at step (\d+)", output)
-    assert stopped, output[-4000:]
+    # Any rank's line: the agent stops the other workers as soon as the first one exits 75, so rank 0 may be
+    # stopped in its teardown before it logs (its checkpoint and summary are written by then).
+    stopped = re.search(r"\[rank \d\] WARNING preempted: stopped at step (\d+)", output)
+    assert stopped, output[:3000] + "\n...\n" + output[-3000:]
     step = int(stopped.group(1))
     assert 3 <= step < 40  # mid-run: every rank stopped at the step the signal reached them
     assert re.search(r"(?i)exitcode\W+75", output), output[-4000:]  # the agent saw "preempted", and restarted
