@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.state.checkpoint_io import _fsync_dir, _open_regular, _write_synced, state_name
+from service.state.checkpoint_io import _fsync_dir, _write_synced, read_small, state_name
 
 BEST_NAME = "best.json"
 _MAX_BYTES = 16 * 1024
@@ -85,12 +85,10 @@ class BestRule:
 def read_best(directory: Path) -> BestRecord | None:
     """The pointer in ``directory``, or None when there is none; ``ValueError`` naming why it cannot be used."""
     try:
-        file, size = _open_regular(directory, BEST_NAME)
+        raw = read_small(directory, BEST_NAME, _MAX_BYTES)
     except FileNotFoundError:
         return None
-    with file:
-        raw = file.read(_MAX_BYTES + 1) if size <= _MAX_BYTES else b""
-    if size > _MAX_BYTES or len(raw) > _MAX_BYTES:
+    if raw is None:
         raise ValueError(f"{directory / BEST_NAME} is larger than {_MAX_BYTES} bytes")
     try:
         record = BestRecord.model_validate(json.loads(raw))

@@ -256,16 +256,22 @@ def _open_regular(directory: Path, name: str) -> tuple[BinaryIO, int]:
     return file, opened.st_size
 
 
+def read_small(directory: Path, name: str, limit: int) -> bytes | None:
+    """A small regular file's bytes (checked by :func:`_open_regular`), or None when it is over ``limit``."""
+    file, size = _open_regular(directory, name)
+    with file:
+        raw = file.read(limit + 1) if size <= limit else b""
+    return None if size > limit or len(raw) > limit else raw
+
+
 def read_manifest(directory: Path, step: int) -> Manifest:
     """The manifest of ``step``; ``ValueError`` with the reason when it is missing or malformed."""
     path = directory / manifest_name(step)
     try:
-        file, size = _open_regular(directory, path.name)
+        raw = read_small(directory, path.name, _MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ValueError("it has no manifest (a save that did not finish)") from None
-    with file:
-        raw = file.read(_MAX_MANIFEST_BYTES + 1) if size <= _MAX_MANIFEST_BYTES else b""
-    if size > _MAX_MANIFEST_BYTES or len(raw) > _MAX_MANIFEST_BYTES:
+    if raw is None:
         raise ValueError(f"its manifest {path.name} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
         manifest = Manifest.model_validate(json.loads(raw))
