@@ -149,9 +149,8 @@ def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preempt
     try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
         with guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock):
             return train(job)
-    finally:
-        job.preemption.close()
-        job.roles.close()
+    finally:  # the signal handlers stay until main returns: an agent's SIGTERM in the teardown below must not kill
+        job.roles.close()  # this rank before the process group is closed, the lock released and the last line logged
 
 
 if __name__ == "__main__":
