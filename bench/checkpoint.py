@@ -232,7 +232,7 @@ def resume_worker(rank: int, port: int, directory: Path, rounds: int, out: Path)
             else:
                 dist.barrier()
                 started = time.perf_counter()
-                data = _broadcast_bytes(payload if rank == 0 else b"", 0, None)
+                _, data = _broadcast_bytes(payload if rank == 0 else b"", 0, None, "disk")
                 if rank == 1:
                     load_state(data, source)
                     times["broadcast"].append(time.perf_counter() - started)

@@ -2,11 +2,13 @@
 
 With torch (and the ``torch._dynamo`` that DDP imports) loaded, tearing the
 interpreter down takes about a second of CPU: every worker of every start paid
-it after its summary was written. When ``main`` returned (the job is closed,
-its lock released, its files and logs flushed) and no child process or
-non-daemon thread is left, there is nothing for that teardown to finish, so
-the process leaves at once with the same exit code. Anything else (an
-exception, a live child or thread, no torch) exits the normal way.
+it after its summary was written, and a worker whose peer died paid it before
+its agent could restart the group. When ``main`` returned or raised (the job
+is closed, its lock released, its files and logs flushed; ``@record`` wrote
+torchrun's error file) and no child process or non-daemon thread is left,
+there is nothing for that teardown to finish, so the process leaves at once
+with the same exit code, after the traceback Python would print. Anything else
+(a live child or thread, no torch, ``SystemExit``) exits the normal way.
 """
 
 import logging
@@ -14,6 +16,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import traceback
 
 from service.cli import main
 
@@ -23,10 +26,20 @@ def _nothing_left() -> bool:
     return "torch" in sys.modules and not threads and not multiprocessing.active_children()
 
 
-code = main()
-if isinstance(code, int) and _nothing_left():
+def _leave(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+try:
+    code = main()
+except Exception:
+    if not _nothing_left():
+        raise
+    traceback.print_exc()
+    _leave(1)
+if isinstance(code, int) and _nothing_left():
+    _leave(code)
 sys.exit(code)

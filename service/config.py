@@ -162,6 +162,12 @@ class CheckpointConfig(_Section):
     best: BestConfig | None = Field(
         None, description="Keep the best evaluated checkpoint apart from pruning; null: off."
     )
+    snapshot_every: int = Field(
+        1, ge=0, description="Keep the state of every N optimizer steps in node-local shared memory; 0: off."
+    )
+    snapshot_dir: str = Field(
+        "/dev/shm", min_length=1, description="The shared-memory file system that holds the snapshots (a tmpfs)."
+    )
 
     @field_validator("keep")
     @classmethod

@@ -155,3 +155,17 @@ def fill(root: Path, leave: int) -> None:
         file.flush()
         os.fsync(file.fileno())
     assert shutil.disk_usage(root).free <= leave + 8192
+
+
+@pytest.fixture
+def cpu_burner() -> Iterator[Callable[[], None]]:
+    """Start (on call) a process that keeps one core busy for the rest of the test: recovery under load."""
+    procs: list[subprocess.Popen] = []
+
+    def start() -> None:
+        procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()

@@ -99,7 +99,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
     attempt's gloo addresses from the agent's store ("connectFullMesh").
     """
     job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
-           "task_options.dropout=0.2", "checkpoint.async=true")  # fmt: skip
+           "task_options.dropout=0.2", "checkpoint.async=true", "checkpoint.snapshot_every=0")  # fmt: skip
     run_job(tmp_path / "straight", 2, *job)
     straight = read_summary(tmp_path / "straight")
 
@@ -125,6 +125,45 @@ def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
     assert "connectFullMesh" not in watcher.text()
     print(f"recovery: {first_step - killed_at:.1f} s from SIGKILL to the resumed group's first step")
     assert first_step - killed_at < 30
+
+
+@pytest.mark.parametrize("load", [False, True], ids=["idle", "busy"])
+def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(tmp_path, cpu_burner, load):
+    """SIGKILL of one worker under --standalone with no disk checkpoint but the end (every_steps=1000): the group
+    resumes from the node's in-memory snapshot at most one step behind, and ends with an uninterrupted run's weights
+    (dropout: the step's randomness replays too). ``busy``: a process burns one core meanwhile."""
+    job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=1000", "task_options.sleep=0.04",
+           "task_options.dropout=0.2")  # fmt: skip
+    straight_dir = tmp_path / "straight"
+    if not load:
+        run_job(straight_dir, 2, *job)
+    run_dir = tmp_path / "killed"
+    if load:
+        cpu_burner()
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 6/", timeout=120)
+        victims = worker_pids(proc.pid)
+        killed_at = time.monotonic()
+        os.kill(victims[1], signal.SIGKILL)
+        completed = max(int(step) for step in re.findall(r"\[rank 0\] INFO step (\d+)/", watcher.text()))
+        restarted = watcher.wait_for(r"process group up: attempt 1", timeout=60, after=killed_at)
+        watcher.wait_for(r"resuming from \S+/ddp-service-\d+/\w+/step-\d+\.pt .*snapshot", timeout=60, after=restarted)
+        first_step = watcher.wait_for(r"\[rank 0\] INFO step \d+/", timeout=60, after=restarted)
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["restarts"] == 1 and summary["status"] == "completed"
+    resumed = summary["resumed_from"]
+    assert resumed["source"] == "snapshot" and completed - 1 <= resumed["step"] <= completed + 1, (resumed, completed)
+    if not load:
+        straight = read_summary(straight_dir)
+        assert summary["model_digest"] == straight["model_digest"]
+        assert summary["samples_seen"] == straight["samples_seen"]
+    assert not Path(resumed["file"]).parent.exists()  # the completed job's snapshot area is gone
+    print(f"worker crash ({'busy' if load else 'idle'}): resumed at step {resumed['step']} of {completed} completed; "
+          f"{first_step - killed_at:.1f} s from SIGKILL to the resumed group's first step")  # fmt: skip
 
 
 def read_trace(run_dir: Path) -> list[dict]:

@@ -107,6 +107,7 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
             "failures": job.roles.checkpointer.failures,
             "best": job.roles.checkpointer.best.describe() if job.roles.checkpointer.best else None,
         },
+        "snapshots": {"written": job.roles.snapshots.written, "skipped": job.roles.snapshots.skipped},
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
         "launcher": job.world.launcher,

@@ -10,6 +10,8 @@ from service.config import JobConfig
 from service.loop.data import FileSampleTrace, SampleTrace
 from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
+from service.state.resume import Resumed
+from service.state.snapshot import Area, Snapshots, build_snapshots
 from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
@@ -28,6 +30,7 @@ class Roles:
     checkpointer: Checkpointer
     summary: SummaryWriter
     trace: SampleTrace
+    snapshots: Snapshots = dataclasses.field(default_factory=Snapshots)
 
     def fence(self, vacant: Callable[[], bool]) -> None:
         """run_dir's lock was lost: no checkpoint there any more, and a summary only while no other job holds it."""
@@ -35,14 +38,16 @@ class Roles:
         self.summary.fence(vacant)
 
     def close(self) -> None:
+        self.snapshots.close()
         self.checkpointer.close()
         self.trace.close()
         self.sink.close()
 
 
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
-                device_is_cuda: bool = False, resumed_step: int | None = None,
-                lineage: str | None = None, backend: str = "none", terminal: bool = False) -> Roles:  # fmt: skip
+                device_is_cuda: bool = False, resumed: Resumed | None = None,
+                lineage: str | None = None, backend: str = "none", terminal: bool = False,
+                snapshot_area: Area | None = None) -> Roles:  # fmt: skip
     """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces.
 
     ``terminal``: stderr is a terminal (read once at start): the bar then, else none (the log lines say as much).
@@ -62,15 +67,18 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
                                     backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
-    fresh = ckpt.resume == "never" and resumed_step is None  # never: the job's first start; its restarts resume
+    fresh = ckpt.resume == "never" and resumed is None  # never: the job's first start; its restarts resume
     best = BestRule(ckpt.best.metric, ckpt.best.mode) if ckpt.best is not None else None
     checkpointer = (
         Rank0Checkpointer(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, config_hash, ckpt.on_error,
                           ckpt.async_save, start_fresh=fresh, pin=device_is_cuda,
-                          saved_step=resumed_step, lineage=lineage, on_save=sink.on_checkpoint, best_rule=best)
+                          saved_step=resumed.disk_step if resumed else None, resumed=resumed is not None,
+                          lineage=lineage, on_save=sink.on_checkpoint, best_rule=best)
         if is_rank0
         else Checkpointer(best)
     )  # fmt: skip
     summary = JsonSummaryWriter(run_dir / "summary.json") if is_rank0 else SummaryWriter()
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
-    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace)
+    snapshots = build_snapshots(snapshot_area, ckpt.snapshot_every, world.local_rank, config_hash, lineage,
+                                device_is_cuda)  # fmt: skip
+    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots)

@@ -41,10 +41,12 @@ from service.state.resume import (
     agree_on_checkpoint,
     check_compatible,
     config_hash,
+    fresh_lineage,
     job_lineage,
     restore,
     rng_state,
 )
+from service.state.snapshot import node_area
 from service.state.weights import init_model
 from service.tasks.loader import load_task
 from service.telemetry.metrics import EvalReport, StepReport
@@ -98,8 +100,10 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     train = config.train
     checkpoints = Path(config.run_dir) / "checkpoints"
     own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
+    area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id)
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
-                                  config.checkpoint.resume, own)  # fmt: skip
+                                  config.checkpoint.resume, own, area.readable() if area else None)  # fmt: skip
+    lineage = resumed.state.get("lineage") if resumed else own or fresh_lineage(dist_ctx.control)
     if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
     model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
@@ -141,10 +145,11 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             total_steps,
             config_hash(config),
             dist_ctx.is_cuda,
-            resumed.step if resumed else None,
-            resumed.state.get("lineage") if resumed else own,
+            resumed,
+            lineage,
             dist_ctx.backend,
             terminal,
+            area,
         ),
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
@@ -156,6 +161,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         precision=precision,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
+    job.roles.snapshots.preflight(unwrap(model))  # each node's local rank 0: room in shared memory, or none kept
     job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
     return job
@@ -196,6 +202,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
+    job.roles.snapshots.before_update()  # the snapshot of the last step has copied the weights
     job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
@@ -290,6 +297,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
+        roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state))
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"
     return "epoch"
@@ -386,7 +394,10 @@ def train(job: Job) -> dict[str, Any]:
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
         if status == "preempted":
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
+        job.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now
     except Exception as exc:
+        if job.world.restart_count >= job.world.max_restarts:  # no restart of this node will come for them
+            job.roles.snapshots.discard()
         seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
         report = evals[-1] if evals else None
         failed = make_summary(job, state, report, seconds, trained, "failed", error=f"{type(exc).__name__}: {exc}")

@@ -104,8 +104,11 @@ class Rank0Checkpointer(Checkpointer):
                  async_save: bool, start_fresh: bool = False, pin: bool = False,
                  saved_step: int | None = None, lineage: str | None = None,
                  on_save: Callable[[float, bool], None] | None = None,
-                 best_rule: BestRule | None = None) -> None:  # fmt: skip
+                 best_rule: BestRule | None = None, resumed: bool | None = None) -> None:  # fmt: skip
+        """``saved_step``: the step resumed from when run_dir holds it; ``resumed``: this start resumed (from disk
+        or from an in-memory snapshot; default: ``saved_step`` is set)."""
         super().__init__(best_rule)
+        resumed = saved_step is not None if resumed is None else resumed
         self.on_save = on_save  # (seconds, ok) after each write, from the writer thread for background saves
         self.directory = directory
         self.every_steps = every_steps
@@ -124,11 +127,11 @@ class Rank0Checkpointer(Checkpointer):
         self._writing = threading.Lock()  # held by a write and its pruning; a fence waits for one in progress
         # A resume carries the lineage on; a fresh start (or one from a checkpoint older than lineages) makes one.
         self.lineage = lineage or uuid.uuid4().hex
-        self._lineages = {self.lineage, *([None] if saved_step is not None and lineage is None else [])}
+        self._lineages = {self.lineage, *([None] if resumed and lineage is None else [])}
         if start_fresh:
             archive_existing(directory)
         self._pointed: int | None = None  # the step best.json names on disk: pruning spares it until it is replaced
-        self.best = self._carried_best() if best_rule is not None and saved_step is not None else None
+        self.best = self._carried_best() if best_rule is not None and resumed else None
 
     def _carried_best(self) -> BestRecord | None:
         """The best so far of the run this one resumes (``best.json``), when it ranks by the same rule."""

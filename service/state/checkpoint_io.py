@@ -330,13 +330,16 @@ def load_state(payload: bytes, source: str) -> dict[str, Any]:
     return state
 
 
-def scan(directory: Path, lineages: Collection[str | None] | None = None) -> Iterator[tuple[Manifest, bytes]]:
-    """Valid checkpoints, newest first; each invalid one is skipped with a warning that names it.
+def scan(directory: Path, lineages: Collection[str | None] | None = None,
+         above: int = -1) -> Iterator[tuple[Manifest, bytes]]:  # fmt: skip
+    """Valid checkpoints newer than step ``above``, newest first; each invalid one is skipped with a warning.
 
     With ``lineages``, a checkpoint whose manifest names another lineage is
     passed over before its state file is read.
     """
     for step in candidate_steps(directory):
+        if step <= above:
+            return
         try:
             if lineages is not None and read_manifest(directory, step).lineage not in lineages:
                 continue

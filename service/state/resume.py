@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from service.config import JobConfig
-from service.state.checkpoint_io import Manifest, load_state, scan
+from service.state.checkpoint_io import Manifest, load_state, scan, state_name
 from service.world.distributed import bytes_to_tensor, tensor_to_bytes
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,29 @@ class ResumeError(RuntimeError):
     exit_code = 2
 
 
+SOURCES = ("disk", "snapshot")  # where a rank found the state it resumes from; a code in the agreement
+
+
 @dataclasses.dataclass(frozen=True)
 class Resumed:
     step: int
     file: Path
     state: dict[str, Any]
-    source: str
+    source: str  # "disk" or "snapshot": the kind of state the agreed step was found in
     seconds: float
+    peer: int | None = None  # the rank that sent it, when this rank's node did not hold it
+
+    @property
+    def disk_step(self) -> int | None:
+        """The step when it came from a disk checkpoint (then in run_dir, or on the sending rank's)."""
+        return self.step if self.source == "disk" else None
 
     def describe(self) -> dict[str, Any]:
-        return {"step": self.step, "file": str(self.file), "source": self.source}
+        """``summary.json``'s ``resumed_from``: ``source`` is disk, snapshot (this node's shared memory),
+        snapshot_from_peer or disk_from_peer (sent by rank ``peer``)."""
+        source = self.source if self.peer is None else f"{self.source}_from_peer"
+        return {"step": self.step, "file": str(self.file), "source": source, "peer": self.peer,
+                "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -106,8 +120,15 @@ def check_compatible(resumed: Resumed, config: JobConfig) -> None:
         )
 
 
-def _newest_local(directory: Path, lineage: str | None = None) -> tuple[Manifest, bytes] | None:
-    return next(scan(directory, None if lineage is None else {lineage}), None)
+def _newest_local(directory: Path, snapshots: Path | None, lineage: str | None) -> tuple[str, Manifest, bytes] | None:
+    """This rank's newest valid state: its node's snapshot, or a newer disk checkpoint (an equal one: the snapshot,
+    read from memory)."""
+    lineages = None if lineage is None else {lineage}
+    snapshot = next(scan(snapshots, lineages), None) if snapshots is not None else None
+    disk = next(scan(directory, lineages, above=snapshot[0].step if snapshot else -1), None)
+    if disk is not None:
+        return ("disk", *disk)
+    return ("snapshot", *snapshot) if snapshot is not None else None
 
 
 def job_lineage(run_id: str | None) -> str | None:
@@ -124,18 +145,21 @@ def job_lineage(run_id: str | None) -> str | None:
 
 
 def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any, mode: str,
-                        lineage: str | None = None) -> Resumed | None:  # fmt: skip
-    """The checkpoint every rank resumes from, or None to start at step 0. A collective.
+                        lineage: str | None = None, snapshots: Path | None = None) -> Resumed | None:  # fmt: skip
+    """The state every rank resumes from, or None to start at step 0. A collective.
 
-    ``never`` resumes only from checkpoints of ``lineage`` (this job's own, see
+    Each rank offers its newest valid state: a disk checkpoint in ``directory``
+    or its node's in-memory snapshot (``snapshots``, see
+    :mod:`service.state.snapshot`); the newest step any rank offers wins.
+    ``never`` resumes only from states of ``lineage`` (this job's own, see
     :func:`job_lineage`): the first start of the job finds none and starts
     afresh; its restarts and new rounds find what it wrote.
     """
     if mode == "never" and lineage is None:
         return None
     started = time.perf_counter()
-    local = _newest_local(directory, lineage if mode == "never" else None)
-    steps = torch.tensor([local[0].step if local else -1], dtype=torch.int64)
+    local = _newest_local(directory, snapshots, lineage if mode == "never" else None)
+    steps = torch.tensor([local[1].step if local else -1], dtype=torch.int64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
     newest = int(steps.item())
     if newest < 0:
@@ -146,35 +170,44 @@ def agree_on_checkpoint(directory: Path, rank: int, world_size: int, group: Any,
             )
         log.info("no checkpoint in %s: starting at step 0", directory)
         return None
-    holds = local is not None and local[0].step == newest
+    holds = local is not None and local[1].step == newest
     first_holder = torch.tensor([rank if holds else world_size], dtype=torch.int64)
     lacking = torch.tensor([0 if holds else 1], dtype=torch.int64)
     dist.all_reduce(first_holder, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(lacking, op=dist.ReduceOp.SUM, group=group)
     source, missing = int(first_holder.item()), int(lacking.item())
-    payload = local[1] if local is not None and holds else b""
+    kind, payload = (local[0], local[2]) if local is not None and holds else ("disk", b"")
     if missing:
-        payload = _broadcast_bytes(payload, source, group)
-    name = f"step-{newest:08d}.pt"
-    origin = "disk" if holds else f"rank {source}"
-    if not holds:
+        kind, payload = _broadcast_bytes(payload, source, group, kind)
+    file = (snapshots if kind == "snapshot" and holds and snapshots is not None else directory) / state_name(newest)
+    peer = None if holds else source
+    if not holds and kind == "disk":
         log.warning("run_dir on this node does not hold %s; received it from rank %d over the process group. "
                     "Multi-node resume wants run_dir on storage every node sees (NFS, Lustre, a ReadWriteMany "
-                    "PVC).", name, source)  # fmt: skip
-    state = load_state(payload, str(directory / name))
-    resumed = Resumed(newest, directory / name, state, origin, time.perf_counter() - started)
-    log.info("resuming from %s (step %d, %.1f MiB from %s in %.2f s)", resumed.file, newest,
-             len(payload) / 2**20, origin, resumed.seconds)  # fmt: skip
+                    "PVC).", file.name, source)  # fmt: skip
+    state = load_state(payload, str(file))
+    resumed = Resumed(newest, file, state, kind, time.perf_counter() - started, peer)
+    log.info("resuming from %s (step %d, %.1f MiB from %s%s in %.2f s)", resumed.file, newest,
+             len(payload) / 2**20, "this node's " if holds else f"rank {source}'s ", kind,
+             resumed.seconds)  # fmt: skip
     return resumed
 
 
-def _broadcast_bytes(payload: bytes, source: int, group: Any) -> bytes:
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=source, group=group)
-    length = int(size.item())
+def _broadcast_bytes(payload: bytes, source: int, group: Any, kind: str) -> tuple[str, bytes]:
+    """The source rank's kind of state and its bytes, on every rank: the size and kind first, then the bytes."""
+    header = torch.tensor([len(payload), SOURCES.index(kind)], dtype=torch.int64)
+    dist.broadcast(header, src=source, group=group)
+    length = int(header[0].item())
     buffer = bytes_to_tensor(payload, length)
     dist.broadcast(buffer, src=source, group=group)
-    return payload if payload else tensor_to_bytes(buffer, length)
+    return SOURCES[int(header[1].item())], payload if payload else tensor_to_bytes(buffer, length)
+
+
+def fresh_lineage(group: Any) -> str:
+    """A new run's lineage, made by rank 0 and the same on every rank (each node's snapshots carry it). A collective."""
+    made = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
+    dist.broadcast(made, src=0, group=group)
+    return bytes(made.tolist()).hex()
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,0 +1,273 @@
+"""In-memory snapshots: the resume state of every N optimizer steps, kept in node-local shared memory.
+
+Under DDP every rank holds the whole model and optimizer state, so one process
+per node (its local rank 0) can keep what a restart needs in host memory that
+outlives the worker process: a directory on a tmpfs (``/dev/shm`` by default,
+``checkpoint.snapshot_dir``). A worker that crashes, hangs or is stopped by its
+agent leaves it behind; the restarted workers of that node find it, and the
+resume agreement (:func:`service.state.resume.agree_on_checkpoint`) counts it
+beside the disk checkpoints. A node that lacks the agreed state receives it
+from a rank that has it, as for a disk checkpoint.
+
+A snapshot is written exactly like a checkpoint (:mod:`service.state.checkpoint_io`):
+the state under a temporary name, then its manifest (step, size, sha256, config
+hash, lineage), both renamed into place, the manifest last. A snapshot counts
+only when its manifest and the state it names agree; one torn by a crash is
+skipped, and the one before it (kept until the next is complete) is used. It
+loads with ``weights_only=True``, like any checkpoint.
+
+The cost at the step boundary is small: the model's buffers (which the next
+forward updates) are copied at once, the parameters and optimizer state in a
+background thread while the next step's forward and backward run, into buffers
+allocated once (pinned on CUDA, copied on a side stream). Before the next
+optimizer update the loop waits for that copy (:meth:`SnapshotWriter.before_update`);
+the serialisation into shared memory then goes on in the background. At most
+one snapshot is in flight: a step that comes while one is still being written
+is not snapshotted.
+
+Which area is a node's: one directory per (run_dir, run id, host, agent
+process), under a root owned by this user (mode 0700), with a marker
+``job.json`` naming them. A restarted worker of the same agent finds its
+node's area; another job's leftovers sit under another name, and an area whose
+marker names another job is ignored (and replaced when this job writes): it is
+never loaded. The area is removed when the job completes, is preempted (its
+disk checkpoint of that step is saved first) or fails on its last attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.state.checkpoint import StagingBuffer
+from service.state.checkpoint_io import prune, read_small, write_checkpoint
+
+log = logging.getLogger(__name__)
+
+StateFn = Callable[[], dict[str, Any]]
+MARKER = "job.json"
+KEEP = 1  # complete snapshots kept; the one being written is the second
+
+
+@dataclass(frozen=True)
+class Area:
+    """One node's snapshot directory for one job, and the marker that says whose it is."""
+
+    path: Path
+    owner: dict[str, Any]
+
+    def problem(self) -> str | None:
+        """Why this area must not be read (None: it is this job's, or it does not exist yet)."""
+        for directory in (self.path.parent, self.path):
+            try:
+                info = os.lstat(directory)
+            except FileNotFoundError:
+                return None
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return (f"{directory} is not a directory of this user with mode 0700; nothing in it is read "
+                        "(remove it if you did not make it)")  # fmt: skip
+        try:
+            raw = read_small(self.path, MARKER, 4096)
+            marker = json.loads(raw) if raw is not None else None
+        except FileNotFoundError:
+            return f"{self.path} has no {MARKER}; it is not a snapshot area of this job"
+        except ValueError as exc:
+            return f"its {MARKER} is not readable ({exc})"
+        if marker != self.owner:
+            return f"its {MARKER} names another job ({marker!r}); this job is {self.owner!r}"
+        return None
+
+    def readable(self) -> Path | None:
+        """The directory to resume from, when it exists and is this job's; a warning when it is not."""
+        if not self.path.exists():
+            return None
+        why = self.problem()
+        if why is not None:
+            log.warning("ignoring the snapshots in %s: %s", self.path, why)
+            return None
+        return self.path
+
+    def prepare(self) -> None:
+        """Make the root and the area (mode 0700) and write the marker; an area of another job is emptied first."""
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path.exists() and self.problem() is not None:
+            shutil.rmtree(self.path)
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        why = self.problem()
+        if why is not None and not why.startswith(f"{self.path} has no"):
+            raise OSError(why)
+        marker = self.path / MARKER
+        if not marker.exists():
+            temporary = self.path / f".{MARKER}.{os.getpid()}.tmp"
+            temporary.write_text(json.dumps(self.owner))
+            os.replace(temporary, marker)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def node_area(root: str, run_dir: str, run_id: str | None, host: str | None = None,
+              agent: int | None = None) -> Area | None:  # fmt: skip
+    """This node's area for this job, or None without a run id (nothing restarts such a process in place).
+
+    ``agent``: the process that restarts this worker (its parent: torchrun's agent, or slurmstepd).
+    """
+    if not run_id:
+        return None
+    owner = {
+        "run_dir": str(Path(run_dir).resolve()),
+        "run_id": run_id,
+        "host": host or socket.gethostname(),
+        "agent": os.getppid() if agent is None else agent,
+    }
+    key = hashlib.sha256(json.dumps(owner, sort_keys=True).encode()).hexdigest()[:24]
+    return Area(Path(root) / f"ddp-service-{os.getuid()}" / key, owner)
+
+
+class Snapshots:
+    """Keeps nothing: every rank but a node's local rank 0, and jobs with ``checkpoint.snapshot_every=0``."""
+
+    written = 0
+    skipped = 0
+
+    def preflight(self, model: torch.nn.Module) -> None:
+        """Before training: is there room in shared memory for two snapshots of this model?"""
+
+    def capture(self, global_step: int, state: StateFn) -> None:
+        """Called after every optimizer step: start a snapshot of this step when one is due."""
+
+    def before_update(self) -> None:
+        """Called before each optimizer update: the snapshot's copy of the weights must be done by then."""
+
+    def discard(self) -> None:
+        """The job is over here (completed, preempted with its checkpoint saved, or failed for good)."""
+
+    def close(self) -> None:
+        """Wait for a snapshot in flight and stop the writer; the area stays for a restart."""
+
+
+class SnapshotWriter(Snapshots):
+    """A node's local rank 0: every ``every`` steps, the state into this node's area, in the background."""
+
+    def __init__(self, area: Area, every: int, config_hash: str, lineage: str | None, cuda: bool) -> None:
+        self.area = area
+        self.every = every
+        self.config_hash = config_hash
+        self.lineage = lineage
+        self.cuda = cuda
+        self.written = self.skipped = 0
+        self.enabled = True
+        self._buffers: frozenset[str] = frozenset()
+        self._staging = StagingBuffer(pin=cuda)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._inflight: Future | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._ready: Any = None  # on CUDA: the side stream's event after the copy
+        self._side = torch.cuda.Stream() if cuda else None
+
+    def preflight(self, model: torch.nn.Module) -> None:
+        self._buffers = frozenset(name for name, _ in model.named_buffers())
+        need = 2 * 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        try:
+            self.area.prepare()
+            free = shutil.disk_usage(self.area.path).free
+        except OSError as exc:
+            self._turn_off(f"its area {self.area.path} cannot be used ({exc})")
+            return
+        if free < need:
+            self._turn_off(f"{self.area.path.parent.parent} has {free / 2**20:.1f} MiB free, and two snapshots of "
+                           f"this model and its optimizer take up to {need / 2**20:.1f} MiB. Give the node more "
+                           "shared memory (docker --shm-size, a Kubernetes emptyDir with medium: Memory), or point "
+                           "checkpoint.snapshot_dir at a larger tmpfs")  # fmt: skip
+
+    def _turn_off(self, why: str) -> None:
+        self.enabled = False
+        log.warning("in-memory snapshots are off on this node: %s. Resume falls back to the disk checkpoints "
+                    "(every checkpoint.every_steps); checkpoint.snapshot_every=0 silences this.", why)  # fmt: skip
+
+    def capture(self, global_step: int, state: StateFn) -> None:
+        if not self.enabled or global_step % self.every:
+            return
+        if self._inflight is not None and not self._inflight.done():
+            self.skipped += 1  # at most one in flight: this step is not snapshotted
+            return
+        self._collect()
+        snapshot = state()
+        # The next forward updates the buffers (BatchNorm's statistics): copy them now; the rest in the background.
+        model = snapshot["model"]
+        snapshot["model"] = {key: value.detach().clone() if key in self._buffers else value
+                             for key, value in model.items()}  # fmt: skip
+        done = None
+        if self._side is not None:
+            done = torch.cuda.Event()
+            done.record()
+        self._copied.clear()
+        self._inflight = self._thread.submit(self._write, global_step, snapshot, done)
+
+    def before_update(self) -> None:
+        if self._copied.is_set():
+            return
+        self._copied.wait()
+        if self._ready is not None:
+            torch.cuda.current_stream().wait_event(self._ready)  # on the device: no host sync
+
+    def _write(self, global_step: int, snapshot: dict[str, Any], done: Any) -> None:
+        try:
+            if self._side is not None:
+                with torch.cuda.stream(self._side):
+                    self._side.wait_event(done)
+                    staged = self._staging.stage(snapshot)
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(self._side)
+            else:
+                staged = self._staging.stage(snapshot)
+        finally:
+            self._copied.set()
+        if self._ready is not None:
+            self._ready.synchronize()
+        started = time.perf_counter()
+        write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage)
+        prune(self.area.path, KEEP, global_step)
+        self.written += 1
+        log.debug("snapshot of step %d written to %s in %.3f s", global_step, self.area.path,
+                  time.perf_counter() - started)  # fmt: skip
+
+    def _collect(self) -> None:
+        """Report a snapshot that failed; a full shared memory turns snapshots off, training goes on."""
+        future, self._inflight = self._inflight, None
+        error = future.exception() if future is not None else None
+        if error is not None:
+            self._turn_off(f"the last snapshot failed ({error})")
+
+    def discard(self) -> None:
+        self.close()
+        self.area.remove()
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            self._inflight.exception()
+            self._collect()
+        self._thread.shutdown(wait=True)
+
+
+def build_snapshots(area: Area | None, every: int, local_rank: int, config_hash: str, lineage: str | None,
+                    cuda: bool) -> Snapshots:  # fmt: skip
+    """A writer on each node's local rank 0 when snapshots are on and the job has a run id; else nothing."""
+    if area is None or not every or local_rank != 0:
+        return Snapshots()
+    return SnapshotWriter(area, every, config_hash, lineage, cuda)

@@ -1,0 +1,228 @@
+"""In-memory snapshots (service/state/snapshot.py): whose area is whose, what a torn or foreign snapshot does,
+and that the background copy holds the state of the step it was taken at.
+
+The end-to-end runs (a worker SIGKILL under --standalone, a lost node under etcd3) are in
+tests/test_resume_e2e.py and tests/rendezvous/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, child_env, read_summary, run_job
+
+from service.config import JobConfig
+from service.state.checkpoint_io import FORMAT, load_state, scan, write_checkpoint
+from service.state.resume import agree_on_checkpoint, config_hash
+from service.state.snapshot import Area, SnapshotWriter, build_snapshots, node_area
+
+HASH = config_hash(JobConfig())
+
+
+@pytest.fixture(autouse=True)
+def _service_logs_reach_caplog(monkeypatch):
+    monkeypatch.setattr(logging.getLogger("service"), "propagate", True)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def state_at(step: int, model: torch.nn.Module | None = None) -> dict:
+    return {
+        "format": FORMAT,
+        "model": (model.state_dict() if model is not None else {"w": torch.full((4,), float(step))}),
+        "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]},
+        "scheduler": {"last_epoch": step},
+        "loop": {"epoch": 0, "global_step": step, "samples_seen": 0, "epochs_completed": 0, "cursor": 0},
+        "rng": {"torch": torch.get_rng_state()},
+        "config": JobConfig().model_dump(mode="json"),
+        "lineage": "L",
+    }
+
+
+def area_for(root: Path, run_id: str = "job-1", agent: int = 4242) -> Area:
+    area = node_area(str(root), str(root / "run"), run_id, host="node-a", agent=agent)
+    assert area is not None
+    return area
+
+
+def test_each_job_agent_and_run_dir_has_its_own_area_and_a_job_without_run_id_none(tmp_path):
+    base = area_for(tmp_path)
+    others = [area_for(tmp_path, run_id="job-2"), area_for(tmp_path, agent=4243),
+              node_area(str(tmp_path), str(tmp_path / "other-run"), "job-1", host="node-a", agent=4242)]  # fmt: skip
+    assert len({base.path, *(other.path for other in others if other)}) == 4
+    assert base.path.parent.name == f"ddp-service-{os.getuid()}"
+    assert node_area(str(tmp_path), str(tmp_path / "run"), None) is None
+    assert isinstance(build_snapshots(base, 1, 1, HASH, "L", False), type(build_snapshots(None, 1, 0, HASH, "L", False)))
+
+
+def plant(area: Area, step: int, owner: dict | None = None) -> None:
+    """A complete, valid snapshot of ``step`` in ``area``, its marker naming ``owner`` (default: the area's job)."""
+    area.prepare()
+    (area.path / "job.json").write_text(json.dumps(owner or area.owner))
+    write_checkpoint(area.path, step, state_at(step), HASH, "L")
+
+
+def test_snapshots_of_another_job_or_an_unsafe_area_are_never_loaded(tmp_path, world_of_one, caplog):
+    disk = tmp_path / "checkpoints"
+    write_checkpoint(disk, 2, state_at(2), HASH, "L")
+    ours = area_for(tmp_path)
+    plant(area_for(tmp_path, run_id="job-2"), 50)  # another job's leftovers on this node: another name
+    plant(ours, 40, owner={**ours.owner, "run_id": "job-0"})  # our name, another job's marker
+    resumed = agree_on_checkpoint(disk, 0, 1, world_of_one, "auto", snapshots=ours.readable())
+    assert resumed is not None and (resumed.step, resumed.source) == (2, "disk")
+    assert "names another job" in caplog.text
+
+    ours.remove()
+    plant(ours, 40)
+    os.chmod(ours.path, 0o755)  # readable by others: not an area this service made
+    assert ours.readable() is None and "mode 0700" in caplog.text
+    os.chmod(ours.path, 0o700)
+    assert ours.readable() == ours.path
+    resumed = agree_on_checkpoint(disk, 0, 1, world_of_one, "auto", snapshots=ours.readable())
+    assert resumed is not None and (resumed.step, resumed.source, resumed.disk_step) == (40, "snapshot", None)
+    assert resumed.describe()["source"] == "snapshot"
+    # resume=never reads only this job's lineage, in memory as on disk
+    assert agree_on_checkpoint(disk, 0, 1, world_of_one, "never", "other", ours.readable()) is None
+    # a newer disk checkpoint wins over an older snapshot
+    write_checkpoint(disk, 45, state_at(45), HASH, "L")
+    resumed = agree_on_checkpoint(disk, 0, 1, world_of_one, "auto", snapshots=ours.readable())
+    assert resumed is not None and (resumed.step, resumed.source) == (45, "disk")
+
+
+def test_prepare_replaces_a_foreign_area_and_refuses_a_symlinked_one(tmp_path, caplog):
+    ours = area_for(tmp_path)
+    plant(ours, 7, owner={**ours.owner, "agent": 1})
+    ours.prepare()
+    assert not list(scan(ours.path)) and json.loads((ours.path / "job.json").read_text()) == ours.owner
+    ours.remove()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    ours.path.symlink_to(elsewhere)
+    assert ours.readable() is None and "not a directory" in caplog.text
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(4096, 2048))  # 32 MiB staged before the buffers: a slow copy
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_during_its_copy(tmp_path):
+    """Buffers are copied at the boundary (the next forward moves BatchNorm's statistics); weights and optimizer
+    state in the background, done before the next update: what lands in memory is that step's state, exactly."""
+    torch.manual_seed(0)
+    model, area = Net(), area_for(tmp_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    writer = SnapshotWriter(area, 1, HASH, "L", cuda=False)
+    writer.preflight(model)
+    expected = {}
+    for step in range(1, 6):
+        loss = model(torch.randn(16, 8)).square().mean()  # forward: BatchNorm's running stats move
+        loss.backward()
+        time.sleep(0.01 * (step % 2))  # some steps find the last snapshot written, some still in flight
+        writer.before_update()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected[step] = {key: value.clone() for key, value in model.state_dict().items()}
+        writer.capture(step, lambda step=step: {**state_at(step, model), "optimizer": optimizer.state_dict()})
+    writer.close()
+    snapshots = list(scan(area.path))
+    assert len(snapshots) == 1  # one kept; the one before went when the next completed
+    step = snapshots[0][0].step
+    saved = load_state(snapshots[0][1], "snapshot")
+    for key, value in expected[step].items():
+        assert torch.equal(saved["model"][key], value), key
+    assert saved["optimizer"]["state"][1]["step"].item() == step  # the linear weight (big has no gradient)
+    assert writer.written + writer.skipped == 5 and writer.written >= 1
+    writer.discard()
+    assert not area.path.exists()
+
+
+def test_too_little_shared_memory_turns_snapshots_off_with_a_warning_naming_the_fix(small_fs, caplog):
+    root = small_fs(size="1m")
+    writer = SnapshotWriter(area_for(root), 1, HASH, "L", cuda=False)
+    writer.preflight(torch.nn.Linear(256, 256))  # 257 KiB of weights: 1.5 MiB for two snapshots with Adam's state
+    writer.capture(1, lambda: state_at(1))
+    writer.close()
+    assert not writer.enabled and writer.written == 0
+    assert "--shm-size" in caplog.text and "checkpoint.snapshot_dir" in caplog.text
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from service.state.snapshot import SnapshotWriter, node_area
+    from service.state.checkpoint_io import FORMAT
+    area = node_area(sys.argv[1], sys.argv[1] + "/run", "job-1", host="node-a", agent=4242)
+    model = torch.nn.Linear(4096, 4096)  # 64 MiB: a copy long enough to be killed in
+    writer = SnapshotWriter(area, 1, "0" * 64, "L", cuda=False)
+    writer.preflight(model)
+    for step in range(1, 1000):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        writer.before_update()
+        writer.capture(step, lambda step=step: {"format": FORMAT, "model": model.state_dict(), "optimizer": {},
+                       "scheduler": {}, "loop": {"global_step": step}, "rng": {}, "config": {}})
+        if writer._inflight is not None:
+            writer._inflight.exception()
+        print(step, flush=True)
+""")
+
+
+def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_used_and_the_one_before_it_is(tmp_path, world_of_one):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, env=child_env(),
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    area = area_for(tmp_path)
+    try:
+        assert proc.stdout is not None
+        while int(proc.stdout.readline() or 0) < 2:  # two complete snapshots written
+            assert proc.poll() is None
+        deadline = time.monotonic() + 60
+        while not list(area.path.glob(".step-*.tmp")):  # the next one is being copied into memory
+            assert time.monotonic() < deadline, "no snapshot in progress seen"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    torn = list(area.path.glob(".step-*.tmp"))
+    assert torn, "the kill came after the copy"
+    complete = [manifest.step for manifest, _ in scan(area.path)]
+    assert len(complete) == 1
+    resumed = agree_on_checkpoint(tmp_path / "no-disk", 0, 1, world_of_one, "auto", snapshots=area.readable())
+    assert resumed is not None and resumed.step == complete[0] and resumed.source == "snapshot"
+    assert torch.all(resumed.state["model"]["weight"] == complete[0])
+
+
+def test_a_job_never_loads_a_leftover_snapshot_of_another_job_on_its_node(tmp_path):
+    """Real run: another job's complete, newer snapshots of the same run_dir lie in the same root; the job starts at
+    step 0, and completes with its own area removed."""
+    run_dir, root = tmp_path / "run", tmp_path / "shm"
+    for run_id, agent in (("someone-else", os.getpid()), ("none", os.getpid()), ("none", 1)):
+        area = node_area(str(root), str(run_dir), run_id, agent=agent)
+        assert area is not None
+        plant(area, 9)
+    run_job(run_dir, 1, "train.max_steps=3", f"checkpoint.snapshot_dir={root}")
+    summary = read_summary(run_dir)
+    assert summary["resumed_from"] is None and summary["global_step"] == 3, summary
+    assert summary["snapshots"]["written"] >= 1
+    assert len(list((root / f"ddp-service-{os.getuid()}").iterdir())) == 3  # the leftovers, and not ours
