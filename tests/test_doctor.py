@@ -125,3 +125,14 @@ def test_a_small_dev_shm_fails_against_the_dataloader_workers(small_fs):
     result = check_shm(config, 2, one_batch, shm=shm)
     assert result.status == "fail" and "--shm-size" in result.fix, result
     assert check_shm(load_config(None, ["data.num_workers=0"]), 2, one_batch, shm=shm).status == "ok"
+
+
+def test_dev_shm_without_room_for_two_snapshots_fails_naming_both_sizes_and_the_ways_out(small_fs):
+    shm = small_fs(size="1m")
+    config = load_config(None, ["data.num_workers=0", f"checkpoint.snapshot_dir={shm}"])
+    result = check_shm(config, 2, None, shm=shm, snapshot=600 * 1024)
+    assert result.status == "fail" and "2 in-memory snapshots of 0.6 MiB" in result.detail, result
+    assert "checkpoint.snapshot_every=0" in result.fix and "--shm-size" in result.fix
+    assert check_shm(config, 2, None, shm=shm, snapshot=100 * 1024).status == "ok"
+    off = load_config(None, ["data.num_workers=0", f"checkpoint.snapshot_dir={shm}", "checkpoint.snapshot_every=0"])
+    assert check_shm(off, 2, None, shm=shm, snapshot=600 * 1024).status == "ok"

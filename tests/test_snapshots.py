@@ -68,7 +68,10 @@ def test_each_job_agent_and_run_dir_has_its_own_area_and_a_job_without_run_id_no
     assert len({base.path, *(other.path for other in others if other)}) == 4
     assert base.path.parent.name == f"ddp-service-{os.getuid()}"
     assert node_area(str(tmp_path), str(tmp_path / "run"), None) is None
-    assert isinstance(build_snapshots(base, 1, 1, HASH, "L", False), type(build_snapshots(None, 1, 0, HASH, "L", False)))
+    assert isinstance(build_snapshots(base, 1, 0, HASH, "L", False), SnapshotWriter)  # a node's local rank 0
+    for others in (build_snapshots(base, 1, 1, HASH, "L", False), build_snapshots(None, 1, 0, HASH, "L", False),
+                   build_snapshots(base, 0, 0, HASH, "L", False)):  # fmt: skip
+        assert not isinstance(others, SnapshotWriter)
 
 
 def plant(area: Area, step: int, owner: dict | None = None) -> None:

@@ -21,8 +21,9 @@ from service.loop.precision import Precision
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
 from service.loop.steps import TaskStep
+from service.state.checkpoint_io import FORMAT
 from service.state.preemption import Preemption
-from service.state.resume import Resumed
+from service.state.resume import Resumed, rng_state
 from service.tasks.base import Task
 from service.telemetry.summary import model_digest
 from service.world.env import WorldInfo
@@ -73,6 +74,8 @@ class Job:
     total_steps: int
     world_sum: Callable[[Sequence[float]], list[float]]  # a collective over the control group: host numbers summed
     precision: Precision
+    config_json: dict[str, Any]  # the config as a checkpoint holds it, and its hash: made once, saved at every step
+    config_digest: str
 
     @property
     def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
@@ -113,4 +116,26 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
         "launcher": job.world.launcher,
         "scheduler": job.world.scheduler,
         "device": job.device.type,
+    }
+
+
+def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
+    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
+    from service import __version__
+
+    job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
+    return {
+        "format": FORMAT,
+        "model": unwrap(job.model).state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "scaler": job.precision.state_dict(),  # None unless train.amp=fp16
+        "loop": dataclasses.asdict(state),
+        "rng": rng_state(),
+        "world_size": job.world.world_size,
+        "global_batch": job.plan.global_batch,
+        "config": job.config_json,
+        "config_hash": job.config_digest,
+        "lineage": job.roles.checkpointer.lineage,
+        "versions": {"torch": str(torch.__version__), "service": __version__},
     }

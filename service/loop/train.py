@@ -7,7 +7,6 @@ Nothing in here asks for its rank: the per-rank behaviour lives in the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -25,7 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from service.config import JobConfig, TrainConfig
 from service.loop.batches import checked_collate, to_device
 from service.loop.data import eval_loader, train_loader
-from service.loop.job import Job, LoopState, make_summary
+from service.loop.job import Job, LoopState, checkpoint_state, make_summary
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import build_optimizer, build_schedule, make_optimizer
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
@@ -34,7 +33,6 @@ from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_lambda
 from service.loop.steps import TaskInterfaceError, TaskStep
-from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
 from service.state.resume import (
@@ -44,7 +42,6 @@ from service.state.resume import (
     fresh_lineage,
     job_lineage,
     restore,
-    rng_state,
 )
 from service.state.snapshot import node_area
 from service.state.weights import init_model
@@ -104,6 +101,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
                                   config.checkpoint.resume, own, area.readable() if area else None)  # fmt: skip
     lineage = resumed.state.get("lineage") if resumed else own or fresh_lineage(dist_ctx.control)
+    digest = config_hash(config)
     if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
     model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
@@ -143,7 +141,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             config,
             world,
             total_steps,
-            config_hash(config),
+            digest,
             dist_ctx.is_cuda,
             resumed,
             lineage,
@@ -159,6 +157,8 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         total_steps=total_steps,
         world_sum=sum_across(dist_ctx.control),
         precision=precision,
+        config_json=config.model_dump(mode="json"),
+        config_digest=digest,
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.snapshots.preflight(unwrap(model))  # each node's local rank 0: room in shared memory, or none kept
@@ -339,28 +339,6 @@ def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
     """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
     if report is not None:
         job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
-
-
-def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
-    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
-    from service import __version__
-
-    job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
-    return {
-        "format": FORMAT,
-        "model": unwrap(job.model).state_dict(),
-        "optimizer": job.optimizer.state_dict(),
-        "scheduler": job.scheduler.state_dict(),
-        "scaler": job.precision.state_dict(),  # None unless train.amp=fp16
-        "loop": dataclasses.asdict(state),
-        "rng": rng_state(),
-        "world_size": job.world.world_size,
-        "global_batch": job.plan.global_batch,
-        "config": job.config.model_dump(mode="json"),
-        "config_hash": config_hash(job.config),
-        "lineage": job.roles.checkpointer.lineage,
-        "versions": {"torch": str(torch.__version__), "service": __version__},
-    }
 
 
 def train(job: Job) -> dict[str, Any]:

@@ -84,7 +84,8 @@ def run_checks(request: LaunchRequest, environ: Mapping[str, str]) -> list[Check
     checkpoint = _measure(lambda: checkpoint_bytes(task, config), task)
     checks.append(check_run_dir(config, checkpoint))
     checks.append(check_metrics_ports(config, nproc))
-    checks.append(check_shm(config, nproc, _measure(lambda: batch_bytes(task, config.train.batch_size), task)))
+    checks.append(check_shm(config, nproc, _measure(lambda: batch_bytes(task, config.train.batch_size), task),
+                            snapshot=checkpoint))  # fmt: skip
     return checks
 
 

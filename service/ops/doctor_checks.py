@@ -285,25 +285,34 @@ def batch_bytes(task: Any, batch_size: int) -> int:
     return sum(tensor.nbytes for tensor in tensors(task.train_set[0])) * batch_size
 
 
-def check_shm(config: JobConfig, nproc: int, one_batch: int | None, shm: Path = Path("/dev/shm")) -> Check:
-    """DataLoader workers hand batches over in shared memory: each holds ``prefetch_factor`` batches."""
+def check_shm(config: JobConfig, nproc: int, one_batch: int | None, shm: Path = Path("/dev/shm"),
+              snapshot: int | None = None) -> Check:  # fmt: skip
+    """Shared memory for the DataLoader workers (``prefetch_factor`` batches each) and, with
+    ``checkpoint.snapshot_every`` on this tmpfs, two in-memory snapshots of ``snapshot`` bytes."""
     workers = config.data.num_workers
-    if workers == 0:
-        return ok("/dev/shm", "data.num_workers=0: batches are loaded in the training process")
+    snapshots = bool(config.checkpoint.snapshot_every) and Path(config.checkpoint.snapshot_dir) == shm
+    if workers == 0 and not snapshots:
+        return ok("/dev/shm", "data.num_workers=0: batches are loaded in the training process; no snapshots here")
     try:
         usage = shutil.disk_usage(shm)
     except OSError as exc:
         return fail("/dev/shm", f"{shm}: {exc.strerror or exc}", "Mount a tmpfs on /dev/shm, or data.num_workers=0.")
-    if one_batch is None:
-        return ok("/dev/shm", f"{_mib(usage.free)} free of {_mib(usage.total)} (batch size unknown)")
-    need = nproc * workers * PREFETCH_FACTOR * one_batch
-    detail = (f"{_mib(usage.free)} free of {_mib(usage.total)}; {nproc} rank(s) × {workers} worker(s) × "
-              f"{PREFETCH_FACTOR} batches of {_mib(one_batch)} need {_mib(need)}")  # fmt: skip
+    parts, need = [], 0
+    if workers and one_batch is not None:
+        need += nproc * workers * PREFETCH_FACTOR * one_batch
+        parts.append(f"{nproc} rank(s) × {workers} worker(s) × {PREFETCH_FACTOR} batches of {_mib(one_batch)}")
+    if snapshots and snapshot is not None:
+        need += 2 * snapshot
+        parts.append(f"2 in-memory snapshots of {_mib(snapshot)} (checkpoint.snapshot_every)")
+    if not parts:
+        return ok("/dev/shm", f"{_mib(usage.free)} free of {_mib(usage.total)} (batch or state size unknown)")
+    detail = f"{_mib(usage.free)} free of {_mib(usage.total)}; {' + '.join(parts)} need {_mib(need)}"
     if usage.free < need:
         return fail(
             "/dev/shm",
             detail,
-            "Give the container more shared memory (docker --shm-size=1g; Kubernetes: "
-            "an emptyDir with medium: Memory on /dev/shm), or lower data.num_workers or train.batch_size.",
+            "Give the container more shared memory (docker --shm-size=1g; Kubernetes: an emptyDir with medium: "
+            "Memory on /dev/shm), or lower data.num_workers or train.batch_size; without room for two snapshots "
+            "the job keeps none (checkpoint.snapshot_every=0 says so; checkpoint.snapshot_dir picks another tmpfs).",
         )
     return ok("/dev/shm", detail)
