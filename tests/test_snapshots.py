@@ -230,3 +230,27 @@ def test_a_job_never_loads_a_leftover_snapshot_of_another_job_on_its_node(tmp_pa
     assert summary["resumed_from"] is None and summary["global_step"] == 3, summary
     assert summary["snapshots"]["written"] >= 1
     assert len(list((root / f"ddp-service-{os.getuid()}").iterdir())) == 3  # the leftovers, and not ours
+
+
+def _agree_as(rank: int, root: str, store: str, results: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        area = area_for(Path(root) / f"node{rank}")
+        resumed = agree_on_checkpoint(Path(root) / f"disk{rank}", rank, 2, None, "auto", snapshots=area.readable())
+        assert resumed is not None
+        weights = resumed.state["model"]["w"].tolist()
+        Path(results, f"rank{rank}.json").write_text(json.dumps({**resumed.describe(), "w": weights}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(tmp_path):
+    """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7."""
+    plant(area_for(tmp_path / "node0"), 7)
+    write_checkpoint(tmp_path / "disk1", 3, state_at(3), HASH, "L")
+    (tmp_path / "results").mkdir()
+    torch.multiprocessing.start_processes(_agree_as, args=(str(tmp_path), str(tmp_path / "store"),
+                                          str(tmp_path / "results")), nprocs=2, start_method="spawn")  # fmt: skip
+    ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["step"], r["source"], r["peer"]) for r in ranks] == [(7, "snapshot", None), (7, "snapshot_from_peer", 0)]
+    assert ranks[0]["w"] == ranks[1]["w"] == [7.0] * 4
