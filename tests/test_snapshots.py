@@ -254,3 +254,12 @@ def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(
     ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["step"], r["source"], r["peer"]) for r in ranks] == [(7, "snapshot", None), (7, "snapshot_from_peer", 0)]
     assert ranks[0]["w"] == ranks[1]["w"] == [7.0] * 4
+
+
+def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
+    """nan at the 4th step under train.nonfinite=stop, no restart left: nothing on the node would read them."""
+    root = tmp_path / "shm"
+    done = run_job(tmp_path / "run", 1, "task=nan_tasks:nan_at", "task_options.steps=[4]", "train.nonfinite=stop",
+                   "train.max_steps=8", f"checkpoint.snapshot_dir={root}", expect_ok=False)  # fmt: skip
+    assert done.returncode != 0 and read_summary(tmp_path / "run")["status"] == "failed", done.stdout[-3000:]
+    assert list((root / f"ddp-service-{os.getuid()}").iterdir()) == []  # made, written to, and removed
