@@ -77,13 +77,16 @@ class SlowItems(Dataset):
 
 
 def linger_at_exit(seconds: float) -> None:
-    """Keep this process alive ``seconds`` after the main thread has finished (the interpreter joins us)."""
+    """Keep this process alive ``seconds`` after the main thread has finished (the interpreter joins us), then
+    leave at once as ``python -m service`` does without us: 1 after an uncaught exception, else 0."""
 
     def wait() -> None:
         while threading.main_thread().is_alive():
             time.sleep(0.01)
         print(f"lingering {seconds} s before exit", file=sys.stderr, flush=True)
         time.sleep(seconds)
+        sys.stderr.flush()
+        os._exit(1 if hasattr(sys, "last_value") else 0)
 
     threading.Thread(target=wait, name="linger", daemon=False).start()
 
