@@ -91,5 +91,6 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
     snapshots = build_snapshots(snapshot_area, ckpt.snapshot_every, world.local_rank, config_hash, lineage,
                                 device_is_cuda)  # fmt: skip
-    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots,
-                 goodput=goodput)
+    return Roles(
+        sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots, goodput=goodput
+    )

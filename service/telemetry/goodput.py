@@ -70,7 +70,7 @@ class Record(BaseModel):
     def _consistent(self) -> Record:
         marks = [self.process_start, self.group_began, self.group_up, self.first_step, self.time]
         known = [mark for mark in marks if mark is not None]
-        if any(later < earlier - SLACK for earlier, later in zip(known, known[1:])):
+        if any(later < earlier - SLACK for earlier, later in zip(known, known[1:], strict=False)):
             raise ValueError("process_start <= group_began <= group_up <= first_step <= time does not hold")
         spent = self.productive + self.data_wait + self.checkpoint + self.eval + self.restore_seconds
         if spent > (self.time - self.process_start) * 1.01 + SLACK:
@@ -141,9 +141,10 @@ def fold(records: Sequence[Record]) -> Breakdown:
         left = end - begin
         rendezvous = (record.group_up - record.group_began) if record.group_up and record.group_began else 0.0
         until_first = (record.first_step or record.time) - record.process_start
-        wanted = (("rendezvous", rendezvous), ("restore", record.restore_seconds),
-                  ("startup", until_first - rendezvous - record.restore_seconds), ("data_wait", record.data_wait),
-                  ("productive", record.productive), ("checkpoint", record.checkpoint), ("eval", record.eval))  # fmt: skip
+        startup = until_first - rendezvous - record.restore_seconds
+        wanted = (("rendezvous", rendezvous), ("restore", record.restore_seconds), ("startup", startup),
+                  ("data_wait", record.data_wait), ("productive", record.productive),
+                  ("checkpoint", record.checkpoint), ("eval", record.eval))  # fmt: skip
         own = 0.0
         for name, seconds in wanted:
             taken = min(max(0.0, seconds), left)
