@@ -202,6 +202,20 @@ def test_a_new_job_moves_an_earlier_ledger_aside(tmp_path):
     assert len(list(tmp_path.glob("goodput-*.jsonl"))) == 1
 
 
+def test_a_full_disk_costs_the_ledger_its_records_never_the_training(tmp_path, caplog):
+    sink = GoodputSink(tmp_path, 0.0, StartTimes(time.time() - 1), 0, 1)
+    os.close(sink.fd)
+    sink.fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    sink.on_step(8, 0.01, 0.0)
+    assert sink.finish("failed")["starts"] == 1
+    sink.close()
+    assert caplog.text.count("could not be written (No space left on device)") == 1
+    assert [r.kind for r in read_ledger(tmp_path / LEDGER)] == ["start"]
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")
+    GoodputSink(unwritable, 1.0, StartTimes(time.time()), 0, 1).close()  # run_dir is a file: no ledger, no raise
+
+
 def test_the_cli_prints_the_table_and_json_and_refuses_a_missing_ledger(tmp_path, capsys):
     from service.cli import main
 

@@ -235,10 +235,17 @@ class GoodputSink(NoGoodput):
     def __init__(self, run_dir: Path, every: float, times: StartTimes, restart_count: int, world_size: int,
                  rendezvous_round: int | None = None, fresh: bool = False) -> None:  # fmt: skip
         self.path = Path(run_dir) / LEDGER
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh and self.path.exists():  # checkpoint.resume=never: a new job; an earlier one's ledger moves aside
-            os.replace(self.path, self.path.with_name(f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"))
-        self.earlier = last_per_start(read_ledger(self.path))  # the job's earlier starts: the gauges continue
+        self.failed = False  # the ledger never stops training: a failed write is logged once and skipped
+        self.fd: int | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if fresh and self.path.exists():  # checkpoint.resume=never: a new job; an earlier ledger moves aside
+                os.replace(self.path, self.path.with_name(f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"))
+            self.earlier = last_per_start(read_ledger(self.path))  # the job's earlier starts: the gauges continue
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self.earlier = []
+            self._failed(exc)
         self.every = every
         self.lock = threading.Lock()  # the scrape thread folds while the loop adds
         self.status: Status = "running"
@@ -251,7 +258,6 @@ class GoodputSink(NoGoodput):
                       "group_began": times.group_began, "group_up": times.group_up,
                       "restore_seconds": times.restore_seconds, "resumed_step": times.resumed_step}  # fmt: skip
         self.step = times.resumed_step or 0
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.history: collections.deque[tuple[float, Breakdown]] = collections.deque()
         self.due = 0.0
         self._append("start")
@@ -270,11 +276,22 @@ class GoodputSink(NoGoodput):
         with self.lock:
             record = self.record(kind, now)
             breakdown = fold([*self.earlier, record])
-        os.write(self.fd, (record.model_dump_json(exclude_defaults=False) + "\n").encode())
+        if self.fd is not None:
+            try:
+                os.write(self.fd, (record.model_dump_json() + "\n").encode())
+            except OSError as exc:
+                self._failed(exc)
         self.history.append((now, breakdown))
         while len(self.history) > 2 and self.history[1][0] <= now - WINDOW_SECONDS:
             self.history.popleft()
         self.due = time.monotonic() + self.every
+
+    def _failed(self, exc: OSError) -> None:
+        if not self.failed:
+            self.failed = True
+            log.warning("the goodput ledger %s could not be written (%s): its figures miss what this start does "
+                        "from here; free space in run_dir or make it writable (training goes on)", self.path,
+                        exc.strerror or exc)  # fmt: skip
 
     def window(self, now: float | None = None) -> Breakdown:
         """The last five minutes (or since this start, if shorter), from the records kept in memory."""
@@ -317,9 +334,8 @@ class GoodputSink(NoGoodput):
         self.closed = True
         if self.status == "running":
             self.status = "failed"
-        try:
-            self._append("end")
-        finally:
+        self._append("end")
+        if self.fd is not None:
             os.close(self.fd)
 
 
