@@ -181,6 +181,8 @@ def test_the_sink_appends_whole_lines_continues_an_earlier_ledger_and_serves_the
         assert f'category="{name}",run_id="job-1",window="job"' in text
     job = fold(read_ledger(tmp_path / LEDGER))
     assert job.ratio == pytest.approx(summary["ratio"], abs=0.01)
+    window = sink.window()  # the last 5 minutes: the gap after the earlier start (60 s ago) and this start
+    assert window.wall == pytest.approx(60, abs=0.5) and window.badput["preempted_idle"] == pytest.approx(55, abs=0.1)
 
 
 def test_the_window_counts_only_the_last_five_minutes(tmp_path, monkeypatch):

@@ -259,6 +259,9 @@ class GoodputSink(NoGoodput):
                       "restore_seconds": times.restore_seconds, "resumed_step": times.resumed_step}  # fmt: skip
         self.step = times.resumed_step or 0
         self.history: collections.deque[tuple[float, Breakdown]] = collections.deque()
+        if self.earlier:  # the window reaches back over the gap before this start
+            before = fold(self.earlier)
+            self.history.append((self.earlier[0].process_start + before.wall, before))
         self.due = 0.0
         self._append("start")
 
