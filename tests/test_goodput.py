@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -283,6 +284,9 @@ def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(
     try:
         watcher.wait_for(r"checkpoint saved: .*step-00000008\.pt", timeout=120)
         watcher.wait_for(r"\[rank 0\] INFO step 11/", timeout=60)
+        served = {port: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                  for port in (base, base + 1)}  # fmt: skip
+        assert "ddp_job_goodput_ratio{" in served[base] and "ddp_job_goodput" not in served[base + 1]  # rank 0 only
         workers = worker_pids(proc.pid)
         os.kill(workers[1], signal.SIGKILL)
         old_exit = wait_for(lambda: gone(workers[0]) and time.time(), 40, "the first rank 0 exits")
