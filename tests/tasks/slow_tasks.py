@@ -14,8 +14,8 @@ checkpoint's) sleep that long, printing ``slow state_dict begins`` to stderr: a 
 sets it; a test task may read it) equals it sleeps ``task_options.slow_rank_sleep`` seconds more
 per training micro-step (the monitoring tests).
 ``task_options.item_sleep`` makes each training sample's ``__getitem__`` sleep that long (known data wait, with
-``data.num_workers=0``); ``task_options.linger_seconds`` makes ``RANK`` 0 of a first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0) stay that long after its ``main`` has returned or raised, before the
+``data.num_workers=0``); ``task_options.linger_seconds`` makes ``RANK`` ``task_options.linger_rank`` (0) of a
+first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) stay that long after its ``main`` has returned or raised, before the
 process exits (a non-daemon thread): a known delay before its agent can restart the group (the goodput tests).
 """
 
@@ -94,7 +94,8 @@ def linger_at_exit(seconds: float) -> None:
 def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
     own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
-           "slow_rank", "slow_rank_sleep", "slow_state_seconds", "item_sleep", "linger_seconds")  # fmt: skip
+           "slow_rank", "slow_rank_sleep", "slow_state_seconds", "item_sleep", "linger_seconds",
+           "linger_rank")  # fmt: skip
     options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
     ranks = spec.option("long_step_ranks", None)
@@ -113,7 +114,8 @@ def slow_shapes(spec: TaskSpec) -> Task:
     item_sleep = float(spec.option("item_sleep", 0.0))
     train_set = SlowItems(task.train_set, item_sleep) if item_sleep else task.train_set
     linger = float(spec.option("linger_seconds", 0.0))
-    if linger and os.environ.get("RANK", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    lingers = os.environ.get("RANK", "0") == str(int(spec.option("linger_rank", 0)))
+    if linger and lingers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         linger_at_exit(linger)
     return Task(model=model, train_set=train_set, eval_set=task.eval_set, loss_fn=task.loss_fn,
                 metric_fn=task.metric_fn, metric_name=task.metric_name,
