@@ -338,6 +338,11 @@ def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(
     assert old_exit - killed >= LINGER, (old_exit - killed, first_text[-2000:])
     want = new_start - killed
     assert abs(badput["recovery"] - want) <= 0.5, (badput["recovery"], want, old_exit - killed)
+    print(
+        f"recovery {badput['recovery']:.2f} s, the test saw {want:.2f} s from the kill to the new rank 0 (rank 1 "
+        f"left {old_exit - killed:.2f} s after the kill, {LINGER} s of it lingering); data_wait "
+        f"{badput['data_wait']:.2f} s, injected {steps * BATCH * ITEM_SLEEP:.2f} s over {steps} steps"
+    )
     # summary.json's ratio is the job's, and Prometheus saw the ratio continue across the restart.
     assert summary["goodput"]["starts"] == 3 and summary["goodput"]["ratio"] == pytest.approx(ledger["ratio"], abs=0.02)
     assert len(ratio_series) == 1, ratio_series
