@@ -146,6 +146,16 @@ def test_the_reader_skips_a_torn_line_garbage_and_forged_records(tmp_path, caplo
     assert read_ledger(tmp_path / "none.jsonl") == []
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(records(), st.binary(max_size=60).filter(lambda b: b"\n" not in b)), max_size=10),
+       st.binary(max_size=30).filter(lambda b: b"\n" not in b))  # fmt: skip
+def test_the_reader_returns_exactly_the_valid_records_among_any_bytes(tmp_path_factory, lines, torn):
+    path = tmp_path_factory.mktemp("ledger") / LEDGER
+    data = b"".join((line.model_dump_json().encode() if isinstance(line, Record) else line) + b"\n" for line in lines)
+    path.write_bytes(data + torn)
+    assert read_ledger(path) == [line for line in lines if isinstance(line, Record)]
+
+
 # -- rank 0's sink -------------------------------------------------------------------------------------
 
 
