@@ -220,6 +220,9 @@ def test_a_full_disk_costs_the_ledger_its_records_never_the_training(tmp_path, c
     os.close(sink.fd)
     sink.fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
     sink.on_step(8, 0.01, 0.0)
+    sink.first_step = time.time() + 3600  # a clock stepped back: the record is invalid, training goes on
+    sink.on_step(8, 0.01, 0.0)
+    assert sink.breakdown().wall > 0
     assert sink.finish("failed")["starts"] == 1
     sink.close()
     assert caplog.text.count("could not be written (No space left on device)") == 1

@@ -266,8 +266,10 @@ class GoodputSink(NoGoodput):
         self._append("start")
 
     def record(self, kind: Literal["start", "progress", "end"], now: float | None = None) -> Record:
+        """This start's record at ``now``, unchecked: a clock stepped back must not stop training (a reader
+        skips such a record; the fold caps every figure anyway)."""
         now = time.time() if now is None else now
-        return Record(kind=kind, time=now, first_step=self.first_step, step=self.step, steps=self.steps,
+        return Record.model_construct(kind=kind, time=now, first_step=self.first_step, step=self.step, steps=self.steps,
                       status=self.status, **self.fixed, **self.totals)  # fmt: skip
 
     def breakdown(self, now: float | None = None) -> Breakdown:
