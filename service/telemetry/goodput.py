@@ -269,8 +269,9 @@ class GoodputSink(NoGoodput):
         """This start's record at ``now``, unchecked: a clock stepped back must not stop training (a reader
         skips such a record; the fold caps every figure anyway)."""
         now = time.time() if now is None else now
-        return Record.model_construct(kind=kind, time=now, first_step=self.first_step, step=self.step, steps=self.steps,
-                      status=self.status, **self.fixed, **self.totals)  # fmt: skip
+        values: dict[str, Any] = {"kind": kind, "time": now, "first_step": self.first_step, "step": self.step,
+                                  "steps": self.steps, "status": self.status, **self.fixed, **self.totals}  # fmt: skip
+        return Record.model_construct(None, **values)
 
     def breakdown(self, now: float | None = None) -> Breakdown:
         with self.lock:
