@@ -11,8 +11,10 @@ in each rank scrapes its own endpoint every ``--scrape-every`` seconds, as
 Prometheus would.
 Both modes log every 10 steps (the loss is read from the device there in both).
 Prints the median step time of each and the throughput ratio on / off (target >= 0.99).
+``--ledger``: the goodput ledger (``metrics.goodput``, a record every second) on against off instead, the
+exporter off in both; otherwise the ledger is off in both.
 
-    python bench/metrics_overhead.py [--rounds 3] [--epochs 8] [--batch 8] [--scrape-every 1]
+    python bench/metrics_overhead.py [--rounds 3] [--epochs 8] [--batch 8] [--scrape-every 1] [--ledger]
 
 BENCH_NO_ALLREDUCE_HOOK=1 runs with metrics.allreduce_timing=false, to see the collective timers' share.
 """
@@ -36,7 +38,7 @@ sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
 TRAIN_SIZE = 512
 
 
-def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
+def worker(epochs: int, batch: int, scrape_every: float, out: Path, ledger: bool = False) -> None:
     """Runs under torchrun: two jobs in the same processes, metrics off and on, alternating epoch by epoch.
 
     Writes rank 0's seconds per step of each epoch of each job.
@@ -48,7 +50,7 @@ def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
 
     world = detect_world(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
-        configs = {mode: load_config(None, [*_overrides(mode, batch, epochs), f"run_dir={tmp}/{mode}"])
+        configs = {mode: load_config(None, [*_overrides(mode, batch, epochs, ledger), f"run_dir={tmp}/{mode}"])
                    for mode in ("off", "on")}  # fmt: skip
         with distributed(world, configs["off"].dist.backend, configs["off"].dist.timeout_seconds) as ctx:
             times = _time_epochs({mode: build_job(config, world, ctx) for mode, config in configs.items()},
@@ -57,11 +59,13 @@ def worker(epochs: int, batch: int, scrape_every: float, out: Path) -> None:
         out.write_text(json.dumps(times))
 
 
-def _overrides(mode: str, batch: int, epochs: int) -> list[str]:
+def _overrides(mode: str, batch: int, epochs: int, ledger: bool = False) -> list[str]:
+    port = "auto" if mode == "on" and not ledger else 0
     return [
+        f"metrics.goodput={ledger and mode == 'on'}", "metrics.goodput_every_seconds=1",
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
         "train.progress_bar=false", "train.log_every=10",
-        "metrics.tensorboard=false", f"metrics.port={'auto' if mode == 'on' else 0}",
+        "metrics.tensorboard=false", f"metrics.port={port}",
         "checkpoint.every_steps=0", "checkpoint.resume=never",
         f"metrics.allreduce_timing={os.environ.get('BENCH_NO_ALLREDUCE_HOOK') != '1'}",
     ]  # fmt: skip
@@ -76,7 +80,7 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
     from service.telemetry.metrics import PrometheusSink
 
     ports = [sink.port for sink in jobs["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
-    assert ports and not [s for s in jobs["off"].roles.sink.sinks if isinstance(s, PrometheusSink)]
+    assert not [s for s in jobs["off"].roles.sink.sinks if isinstance(s, PrometheusSink)]
     stop = threading.Event()
     scrapes = [0]
 
@@ -107,12 +111,12 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
     return times
 
 
-def run(epochs: int, batch: int, scrape_every: float) -> dict[str, list[float]]:
+def run(epochs: int, batch: int, scrape_every: float, ledger: bool = False) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                "--worker", "--epochs", str(epochs), "--batch", str(batch), "--scrape-every", str(scrape_every),
-               "--out", str(out)]  # fmt: skip
+               "--out", str(out), *(["--ledger"] if ledger else [])]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
@@ -129,14 +133,15 @@ def main() -> None:
     parser.add_argument("--scrape-every", type=float, default=1.0)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--ledger", action="store_true", help="the goodput ledger on against off")
     args = parser.parse_args()
     if args.worker:
-        worker(args.epochs, args.batch, args.scrape_every, args.out)
+        worker(args.epochs, args.batch, args.scrape_every, args.out, args.ledger)
         return
     samples: dict[str, list[float]] = {"off": [], "on": []}
     ratios = []  # epoch by epoch, each pair run back to back, so drift on the machine cancels out
     for round_ in range(args.rounds):
-        times = run(args.epochs, args.batch, args.scrape_every)
+        times = run(args.epochs, args.batch, args.scrape_every, args.ledger)
         for mode in samples:
             samples[mode] += times[mode]
         ratios += [off / on for off, on in zip(times["off"], times["on"], strict=True)]
@@ -144,10 +149,11 @@ def main() -> None:
         print(f"round {round_ + 1}/{args.rounds}: {medians}", flush=True)
     off_ms = statistics.median(samples["off"]) * 1e3
     on_ms = statistics.median(samples["on"]) * 1e3
-    print(f"\n{'metrics':<10}{'median ms/step':>16}{'epochs timed':>14}")
+    what = "goodput ledger" if args.ledger else "metrics"
+    print(f"\n{what.split()[-1]:<10}{'median ms/step':>16}{'epochs timed':>14}")
     print(f"{'off':<10}{off_ms:>16.2f}{len(samples['off']):>14}")
     print(f"{'on':<10}{on_ms:>16.2f}{len(samples['on']):>14}")
-    print(f"\nthroughput ratio metrics on/off: {statistics.median(ratios):.3f} (median of {len(ratios)} paired "
+    print(f"\nthroughput ratio {what} on/off: {statistics.median(ratios):.3f} (median of {len(ratios)} paired "
           f"epochs; pooled medians {off_ms / on_ms:.3f}; target >= 0.99)")  # fmt: skip
 
 

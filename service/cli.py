@@ -1,4 +1,4 @@
-"""``ddp-service`` / ``python -m service``: train, validate, env, launch, doctor, export.
+"""``ddp-service`` / ``python -m service``: train, validate, env, launch, doctor, export, goodput.
 
 A thin entrypoint: parse, build, train, close in ``finally``. ``@record``
 makes torchrun report the failing rank's traceback.
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.ops import export as weights_export
+from service.ops import goodput as goodput_report
 from service.ops.preflight import check_against_world
 from service.rendezvous import admin as rdzv_admin
 from service.state.preemption import Preemption
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("doctor", add_help=False, help="check this machine and launcher before a job")
     rdzv_admin.add_parser(commands)  # rdzv list|show|retire: service/rendezvous/admin.py
     weights_export.add_parser(commands)  # export RUN_DIR OUT: service/ops/export.py
+    goodput_report.add_parser(commands)  # goodput RUN_DIR: service/ops/goodput.py
     return parser
 
 
@@ -62,6 +64,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return rdzv_admin.run(args)
     if args.command == "export":
         return weights_export.run(args)
+    if args.command == "goodput":
+        return goodput_report.run(args)
     # First thing for train: a preemption during start-up (torch loading, the lock, the rendezvous, the resume)
     # is kept until the loop's first agreement, instead of killing the process before it writes any summary.
     preemption = Preemption() if args.command == "train" else None

@@ -191,6 +191,14 @@ class MetricsConfig(_Section):
         description="Time the step's collectives on the host: DDP's gradient all-reduce (a comm hook, about "
         "0.2 ms a step on CPU/gloo), its buffer broadcast and CPU SyncBatchNorm; the straggler score needs it.",
     )
+    goodput: bool = Field(
+        True,
+        description="Rank 0 keeps the goodput ledger run_dir/goodput.jsonl: where the job's wall time went, across "
+        "restarts (summary.json's goodput, the ddp_job_goodput_* gauges, ddp-service goodput RUN_DIR).",
+    )
+    goodput_every_seconds: float = Field(
+        10.0, gt=0, le=3600, description="How often rank 0 appends a goodput record (also at start and at the end)."
+    )
 
 
 class LoggingConfig(_Section):

@@ -111,6 +111,7 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
             "best": job.roles.checkpointer.best.describe() if job.roles.checkpointer.best else None,
         },
         "snapshots": {"written": job.roles.snapshots.written, "skipped": job.roles.snapshots.skipped},
+        "goodput": job.roles.goodput.finish(status),  # rank 0: the job's breakdown over every start (None else)
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
         "launcher": job.world.launcher,

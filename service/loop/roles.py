@@ -12,6 +12,7 @@ from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.resume import Resumed
 from service.state.snapshot import Area, Snapshots, build_snapshots
+from service.telemetry.goodput import GoodputSink, NoGoodput, StartTimes
 from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
@@ -31,6 +32,7 @@ class Roles:
     summary: SummaryWriter
     trace: SampleTrace
     snapshots: Snapshots = dataclasses.field(default_factory=Snapshots)
+    goodput: NoGoodput = dataclasses.field(default_factory=NoGoodput)  # rank 0's ledger, also in ``sink``
 
     def fence(self, vacant: Callable[[], bool]) -> None:
         """run_dir's lock was lost: no checkpoint there any more, and a summary only while no other job holds it."""
@@ -47,8 +49,9 @@ class Roles:
 def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
                 device_is_cuda: bool = False, resumed: Resumed | None = None,
                 lineage: str | None = None, backend: str = "none", terminal: bool = False,
-                snapshot_area: Area | None = None) -> Roles:  # fmt: skip
-    """Rank 0 writes checkpoints, the summary and the progress bar; every rank logs, exports and traces.
+                snapshot_area: Area | None = None, startup: StartTimes | None = None) -> Roles:  # fmt: skip
+    """Rank 0 writes checkpoints, the summary, the goodput ledger and the progress bar; every rank logs, exports
+    and traces.
 
     ``terminal``: stderr is a terminal (read once at start): the bar then, else none (the log lines say as much).
     Which ranks' log lines print is the logger's level, set at start (:func:`~service.telemetry.logs.log_level`).
@@ -60,11 +63,18 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
         sinks.append(progress_sink(total_steps, terminal))
     if config.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
+    new_job = config.checkpoint.resume == "never" and resumed is None and world.restart_count == 0
+    goodput = (GoodputSink(run_dir, config.metrics.goodput_every_seconds, startup, world.restart_count,
+                           world.world_size, fresh=new_job)
+               if is_rank0 and config.metrics.goodput and startup is not None else NoGoodput())  # fmt: skip
+    sinks.append(goodput)
     base_port = config.metrics.port
     if base_port:
         port = 0 if base_port == "auto" else int(base_port) + world.local_rank
-        sinks.append(PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
-                                    backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
+        prometheus = PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
+                                    backend, base_port, config.metrics.allreduce_timing)  # fmt: skip
+        sinks.append(prometheus)
+        goodput.register(prometheus.registry, world.run_id or "none")
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
     fresh = ckpt.resume == "never" and resumed is None  # never: the job's first start; its restarts resume
@@ -81,4 +91,6 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     trace = FileSampleTrace(run_dir / "trace", world) if config.data.trace else SampleTrace()
     snapshots = build_snapshots(snapshot_area, ckpt.snapshot_every, world.local_rank, config_hash, lineage,
                                 device_is_cuda)  # fmt: skip
-    return Roles(sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots)
+    return Roles(
+        sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots, goodput=goodput
+    )

@@ -46,6 +46,7 @@ from service.state.resume import (
 from service.state.snapshot import node_area
 from service.state.weights import init_model
 from service.tasks.loader import load_task
+from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import EvalReport, StepReport
 from service.world.distributed import DistContext, any_rank, sum_across
 from service.world.env import WorldInfo
@@ -98,8 +99,10 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     checkpoints = Path(config.run_dir) / "checkpoints"
     own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
     area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id)
+    agreeing = time.perf_counter()  # the resume's time, for the goodput ledger: the agreement (it loads) and restore
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
                                   config.checkpoint.resume, own, area.readable() if area else None)  # fmt: skip
+    restore_seconds = time.perf_counter() - agreeing if resumed is not None else 0.0
     lineage = resumed.state.get("lineage") if resumed else own or fresh_lineage(dist_ctx.control)
     digest = config_hash(config)
     if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
@@ -116,7 +119,9 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
                                lambda: LambdaLR(optimizer, lr_lambda(train, total_steps)))  # fmt: skip
     precision = Precision.for_job(train.amp, dist_ctx.device)
     if resumed is not None:
+        restoring = time.perf_counter()
         restore(resumed, module, optimizer, scheduler, world.world_size, global_batch, precision)
+        restore_seconds += time.perf_counter() - restoring
     one_sample = lambda dataset: to_device(collate([dataset[0]]), dist_ctx.device)  # noqa: E731
     # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
     settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, precision.autocast)
@@ -148,6 +153,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
             dist_ctx.backend,
             terminal,
             area,
+            StartTimes.of(dist_ctx.began, dist_ctx.up, restore_seconds, state.global_step),
         ),
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
@@ -296,8 +302,10 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             job.model.train()
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
+        saving = time.perf_counter()
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state))
+        roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"
     return "epoch"
@@ -310,7 +318,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     Runs the unwrapped model: DDP's forward would broadcast buffers, a collective
     that ranks with different shard lengths would not all join.
     """
-    names = job.eval_names
+    names, started = job.eval_names, time.perf_counter()
     if not names:
         return None
     model = unwrap(job.model)
@@ -331,7 +339,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     report = EvalReport(epoch=state.epoch, global_step=state.global_step, metrics=means,
                         metric_name=job.step.headline(names))  # fmt: skip
     job.scheduler.evaluated(means)
-    job.roles.sink.on_eval(report)
+    job.roles.sink.on_eval(report, time.perf_counter() - started)
     return report
 
 
@@ -369,7 +377,9 @@ def train(job: Job) -> dict[str, Any]:
                 keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
+        saving = time.perf_counter()
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
+        job.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
         if status == "preempted":
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
         job.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now

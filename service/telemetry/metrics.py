@@ -87,11 +87,15 @@ class MetricsSink:
     def on_checkpoint(self, seconds: float, ok: bool) -> None:
         """Called by the checkpointer (rank 0, maybe from its writer thread) after each save attempt."""
 
+    def on_checkpoint_stall(self, seconds: float) -> None:
+        """Called after every step's checkpoint and snapshot calls with the time they held the training thread
+        (a background write's time is not in it; ``on_checkpoint`` has that)."""
+
     def on_report(self, report: StepReport) -> None:
         """Called every ``train.log_every`` steps."""
 
-    def on_eval(self, report: EvalReport) -> None:
-        """Called after each evaluation."""
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
+        """Called after each evaluation; ``seconds``: its wall time (a host timer)."""
 
     def close(self) -> None:
         """Release files, threads and ports."""
@@ -118,13 +122,17 @@ class FanOutSink(MetricsSink):
         for sink in self.sinks:
             sink.on_checkpoint(seconds, ok)
 
+    def on_checkpoint_stall(self, seconds: float) -> None:
+        for sink in self.sinks:
+            sink.on_checkpoint_stall(seconds)
+
     def on_report(self, report: StepReport) -> None:
         for sink in self.sinks:
             sink.on_report(report)
 
-    def on_eval(self, report: EvalReport) -> None:
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         for sink in self.sinks:
-            sink.on_eval(report)
+            sink.on_eval(report, seconds)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -144,7 +152,7 @@ class LogSink(MetricsSink):
     def on_report(self, report: StepReport) -> None:
         log.info("%s", format_step(report, self.own))
 
-    def on_eval(self, report: EvalReport) -> None:
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         values = " ".join(f"{name} {value:.4f}" for name, value in report.metrics.items())
         log.info("eval epoch %d step %d %s", report.epoch, report.global_step, values)
 
@@ -196,7 +204,7 @@ class TensorBoardSink(MetricsSink):
         self.writer.add_scalar("train/lr", report.lr, report.global_step)
         self.writer.add_scalar("train/rank_samples_per_second", report.rank_samples_per_second, report.global_step)
 
-    def on_eval(self, report: EvalReport) -> None:
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         for name, value in report.metrics.items():
             self.writer.add_scalar(f"eval/{name}", value, report.global_step)
 
@@ -324,7 +332,7 @@ class PrometheusSink(MetricsSink):
 
             self.max_memory.set(torch.cuda.max_memory_allocated())
 
-    def on_eval(self, report: EvalReport) -> None:
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         self.eval_metric.set(report.metric)
         for name, value in report.metrics.items():
             self.eval_value.labels(**self.labels, metric=name).set(value)

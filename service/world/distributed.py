@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -34,6 +35,8 @@ class DistContext:
     backend: str
     device: torch.device
     control: Any = None
+    began: float | None = None  # Unix times: the process group's set-up entered (it waits for every peer) ...
+    up: float | None = None  # ... and done (the goodput ledger's rendezvous share of this worker)
 
     @property
     def is_cuda(self) -> bool:
@@ -100,6 +103,7 @@ def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
 
 def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: int) -> DistContext:
     """Create the default process group for this world (a world of 1 too, so collectives always work)."""
+    began = time.time()
     backend = select_backend(requested_backend, torch.cuda.is_available())
     device = select_device(world, backend, torch.cuda.device_count())
     if device.type == "cuda":
@@ -115,7 +119,7 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
     control = dist.new_group(backend="gloo")
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
-    return DistContext(backend=backend, device=device, control=control)
+    return DistContext(backend=backend, device=device, control=control, began=began, up=time.time())
 
 
 def bytes_to_tensor(payload: bytes, length: int | None = None) -> torch.Tensor:

@@ -13,15 +13,21 @@ checkpoint's) sleep that long, printing ``slow state_dict begins`` to stderr: a 
 ``task_options.slow_rank`` makes one rank a straggler: the worker whose ``RANK`` (as torchrun
 sets it; a test task may read it) equals it sleeps ``task_options.slow_rank_sleep`` seconds more
 per training micro-step (the monitoring tests).
+``task_options.item_sleep`` makes each training sample's ``__getitem__`` sleep that long (known data wait, with
+``data.num_workers=0``); ``task_options.linger_seconds`` makes ``RANK`` ``task_options.linger_rank`` (0) of a
+first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) stay that long after its ``main`` has returned or raised, before the
+process exits (a non-daemon thread): a known delay before its agent can restart the group (the goodput tests).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 from service.tasks import shapes
 from service.tasks.base import Task, TaskSpec
@@ -58,10 +64,38 @@ class Sleepy(nn.Module):
         return self.inner(self.dropout(x))
 
 
+class SlowItems(Dataset):
+    def __init__(self, inner: Dataset, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> object:
+        time.sleep(self.seconds)
+        return self.inner[index]
+
+
+def linger_at_exit(seconds: float) -> None:
+    """Keep this process alive ``seconds`` after the main thread has finished (the interpreter joins us), then
+    leave at once as ``python -m service`` does without us: 1 after an uncaught exception, else 0."""
+
+    def wait() -> None:
+        while threading.main_thread().is_alive():
+            time.sleep(0.01)
+        print(f"lingering {seconds} s before exit", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+        sys.stderr.flush()
+        os._exit(1 if hasattr(sys, "last_value") else 0)
+
+    threading.Thread(target=wait, name="linger", daemon=False).start()
+
+
 def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
     own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
-           "slow_rank", "slow_rank_sleep", "slow_state_seconds")  # fmt: skip
+           "slow_rank", "slow_rank_sleep", "slow_state_seconds", "item_sleep", "linger_seconds",
+           "linger_rank")  # fmt: skip
     options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
     ranks = spec.option("long_step_ranks", None)
@@ -77,6 +111,12 @@ def slow_shapes(spec: TaskSpec) -> Task:
     if os.environ.get("RANK", "0") == "0":
         model.slow_state_seconds = float(spec.option("slow_state_seconds", 0.0))
     per_sample = int(spec.option("tokens_per_sample", 0))
-    return Task(model=model, train_set=task.train_set, eval_set=task.eval_set, loss_fn=task.loss_fn,
+    item_sleep = float(spec.option("item_sleep", 0.0))
+    train_set = SlowItems(task.train_set, item_sleep) if item_sleep else task.train_set
+    linger = float(spec.option("linger_seconds", 0.0))
+    lingers = os.environ.get("RANK", "0") == str(int(spec.option("linger_rank", 0)))
+    if linger and lingers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        linger_at_exit(linger)
+    return Task(model=model, train_set=train_set, eval_set=task.eval_set, loss_fn=task.loss_fn,
                 metric_fn=task.metric_fn, metric_name=task.metric_name,
                 tokens_fn=(lambda inputs: len(inputs) * per_sample) if per_sample else None)  # fmt: skip

@@ -1,0 +1,371 @@
+"""The goodput ledger: where a job's wall-clock time went, across every restart.
+
+Rank 0 alone holds a :class:`GoodputSink` (every other rank a :class:`NoGoodput`). It adds up, from the
+events the loop already sends every sink, this start's productive step time, data wait, checkpoint stall
+and evaluation, and appends one JSON line (a :class:`Record`: this start's totals so far) to
+``run_dir/goodput.jsonl`` at start, every ``metrics.goodput_every_seconds`` and at the end: one
+``os.write`` of one line on an ``O_APPEND`` descriptor, so a crash leaves at most a torn last line, which
+:func:`read_ledger` skips with every line that does not parse or validate.
+
+:func:`fold` turns the ledger into the job's breakdown (``docs/monitoring.md``, Goodput): the last record
+of each start gives that start's categories, the gaps between starts are ``recovery`` (or
+``preempted_idle`` after a preempted start), the steps recomputed after a resume are ``lost_progress``,
+and ``other`` is what is left, so productive plus every category is the wall time from the first start.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from service.telemetry.metrics import EvalReport, MetricsSink
+
+log = logging.getLogger(__name__)
+
+LEDGER = "goodput.jsonl"
+CATEGORIES = ("startup", "rendezvous", "restore", "checkpoint", "data_wait", "eval", "lost_progress", "recovery",
+              "preempted_idle", "other")  # fmt: skip
+WINDOW_SECONDS = 300.0  # the window="5m" series
+SLACK = 0.05  # seconds of clock jitter a record's own sums may exceed its span by
+Status = Literal["running", "completed", "preempted", "failed", "lock_lost"]
+
+
+class Record(BaseModel):
+    """One line of the ledger: one start's totals at ``time`` (Unix seconds); times are Unix, durations seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    kind: Literal["start", "progress", "end"]
+    pid: int = Field(ge=1)
+    time: float = Field(gt=0)
+    process_start: float = Field(gt=0)
+    restart_count: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    rendezvous_round: int | None = Field(None, ge=0)
+    group_began: float | None = None  # the process group set-up: entered ...
+    group_up: float | None = None  # ... and returned (its wait is the worker's share of the rendezvous)
+    restore_seconds: float = Field(0.0, ge=0)  # the resume: the agreement and the load of the checkpoint
+    resumed_step: int | None = Field(None, ge=0)
+    first_step: float | None = None  # when this start's first optimizer step began
+    step: int = Field(0, ge=0)  # the job's global step at ``time``
+    steps: int = Field(0, ge=0)  # optimizer steps this start took
+    productive: float = Field(0.0, ge=0)  # step time less data wait
+    data_wait: float = Field(0.0, ge=0)
+    checkpoint: float = Field(0.0, ge=0)  # the training thread's stall, not a background write
+    eval: float = Field(0.0, ge=0)
+    status: Status = "running"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Record:
+        marks = [self.process_start, self.group_began, self.group_up, self.first_step, self.time]
+        known = [mark for mark in marks if mark is not None]
+        if any(later < earlier - SLACK for earlier, later in zip(known, known[1:], strict=False)):
+            raise ValueError("process_start <= group_began <= group_up <= first_step <= time does not hold")
+        spent = self.productive + self.data_wait + self.checkpoint + self.eval + self.restore_seconds
+        if spent > (self.time - self.process_start) * 1.01 + SLACK:
+            raise ValueError(f"{spent:.3f} s accounted in a start of {self.time - self.process_start:.3f} s")
+        if (self.first_step is None) != (self.steps == 0):
+            raise ValueError("first_step is set exactly when steps > 0")
+        return self
+
+    @property
+    def start_id(self) -> tuple[int, float]:
+        return self.pid, self.process_start
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """The job's wall time from its first start, split into productive time and each badput category."""
+
+    wall: float = 0.0
+    productive: float = 0.0
+    badput: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    starts: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.productive / self.wall if self.wall > 0 else 0.0
+
+    def minus(self, earlier: Breakdown) -> Breakdown:
+        """What happened between ``earlier`` and this (a window), each figure at least 0."""
+        badput = {name: max(0.0, self.badput[name] - earlier.badput[name]) for name in CATEGORIES}
+        return Breakdown(max(0.0, self.wall - earlier.wall), max(0.0, self.productive - earlier.productive), badput,
+                         self.starts - earlier.starts)  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ratio": round(self.ratio, 6), "wall_seconds": round(self.wall, 3),
+                "productive_seconds": round(self.productive, 3), "starts": self.starts,
+                "badput_seconds": {name: round(self.badput[name], 3) for name in CATEGORIES}}  # fmt: skip
+
+
+def last_per_start(records: Sequence[Record]) -> list[Record]:
+    """The latest record of each start (by time), the starts in the order they began."""
+    latest: dict[tuple[int, float], Record] = {}
+    for record in records:
+        if record.start_id not in latest or record.time >= latest[record.start_id].time:
+            latest[record.start_id] = record
+    return sorted(latest.values(), key=lambda record: (record.process_start, record.pid))
+
+
+def fold(records: Sequence[Record]) -> Breakdown:
+    """The job's breakdown from its ledger's records (any order, any start's any records).
+
+    Starts are laid on one time line from the first one's process start; a start that overlaps the one before
+    (clocks of two hosts, a forged record) counts from where that one ended, and each category of a start is
+    capped by what its span has left, in the order below, so the figures never add up to more than the wall
+    time: productive + every category == wall, always.
+    """
+    starts = last_per_start(records)
+    if not starts:
+        return Breakdown()
+    badput = dict.fromkeys(CATEGORIES, 0.0)
+    productive: list[float] = []
+    origin = cursor = starts[0].process_start
+    previous: Record | None = None
+    for record in starts:
+        begin = max(record.process_start, cursor)
+        if previous is not None:
+            badput["preempted_idle" if previous.status == "preempted" else "recovery"] += begin - cursor
+        end = max(record.time, begin)
+        left = end - begin
+        rendezvous = (record.group_up - record.group_began) if record.group_up and record.group_began else 0.0
+        until_first = (record.first_step or record.time) - record.process_start
+        startup = until_first - rendezvous - record.restore_seconds
+        wanted = (("rendezvous", rendezvous), ("restore", record.restore_seconds), ("startup", startup),
+                  ("data_wait", record.data_wait), ("productive", record.productive),
+                  ("checkpoint", record.checkpoint), ("eval", record.eval))  # fmt: skip
+        own = 0.0
+        for name, seconds in wanted:
+            taken = min(max(0.0, seconds), left)
+            left -= taken
+            if name == "productive":
+                own = taken
+            else:
+                badput[name] += taken
+        badput["other"] += left
+        if previous is not None and record.resumed_step is not None and previous.steps:
+            recomputed = max(0, previous.step - record.resumed_step)
+            lost = min(recomputed * previous.productive / previous.steps, productive[-1])
+            productive[-1] -= lost
+            badput["lost_progress"] += lost
+        productive.append(own)
+        cursor, previous = end, record
+    wall = cursor - origin
+    total = sum(productive)
+    return Breakdown(wall, total, badput, len(starts))
+
+
+def read_ledger(path: Path) -> list[Record]:
+    """Every valid record of the ledger at ``path`` ([] if there is none); a torn last line (no newline: a
+    writer died in its write), a line that is not JSON or not a valid :class:`Record` is skipped and counted."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends in a newline
+    records, skipped = [], int(bool(torn.strip()))
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            records.append(Record.model_validate(json.loads(line)))
+        except (ValueError, ValidationError):  # json's JSONDecodeError and UnicodeDecodeError are ValueErrors
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are torn, not JSON or not a valid goodput record", path, skipped)
+    return records
+
+
+def process_start_time() -> float | None:
+    """This process's start (Unix seconds) from /proc: its starttime after boot, against /proc/uptime, both
+    on the boot clock (10 ms ticks); None where there is no /proc (the caller falls back)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + int(fields[19]) / ticks  # field 22 of stat: the 20th after the name
+
+
+@dataclasses.dataclass(frozen=True)
+class StartTimes:
+    """What this start knows of its own start-up before the loop: Unix times, and the resume's duration."""
+
+    process_start: float
+    group_began: float | None = None
+    group_up: float | None = None
+    restore_seconds: float = 0.0
+    resumed_step: int | None = None
+
+    @classmethod
+    def of(cls, group_began: float | None, group_up: float | None, restore_seconds: float,
+           resumed_step: int) -> StartTimes:  # fmt: skip
+        """This start's times; without /proc, the process start falls back to when its process group set-up
+        began (so start-up then counts from there; earlier time falls into the gap before, i.e. recovery)."""
+        began = process_start_time() or group_began or time.time()
+        return cls(began, group_began, group_up, restore_seconds, resumed_step)
+
+
+class NoGoodput(MetricsSink):
+    """Every rank but 0: no ledger, no breakdown in the summary."""
+
+    def finish(self, status: str) -> dict[str, Any] | None:
+        return None
+
+    def register(self, registry: Any, run_id: str) -> None:
+        """Serve the job's goodput gauges from ``registry`` (rank 0's Prometheus one)."""
+
+
+class GoodputSink(NoGoodput):
+    """Rank 0's ledger: adds up this start's time from the loop's events and appends it every ``every`` s."""
+
+    def __init__(self, run_dir: Path, every: float, times: StartTimes, restart_count: int, world_size: int,
+                 rendezvous_round: int | None = None, fresh: bool = False) -> None:  # fmt: skip
+        self.path = Path(run_dir) / LEDGER
+        self.failed = False  # the ledger never stops training: a failed write is logged once and skipped
+        self.fd: int | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if fresh and self.path.exists():  # checkpoint.resume=never: a new job; an earlier ledger moves aside
+                os.replace(self.path, self.path.with_name(f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"))
+            self.earlier = last_per_start(read_ledger(self.path))  # the job's earlier starts: the gauges continue
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self.earlier = []
+            self._failed(exc)
+        self.every = every
+        self.lock = threading.Lock()  # the scrape thread folds while the loop adds
+        self.status: Status = "running"
+        self.closed = False
+        self.totals = {"productive": 0.0, "data_wait": 0.0, "checkpoint": 0.0, "eval": 0.0}
+        self.steps = self.step = 0
+        self.first_step: float | None = None
+        self.fixed = {"pid": os.getpid(), "process_start": times.process_start, "restart_count": restart_count,
+                      "world_size": world_size, "rendezvous_round": rendezvous_round,
+                      "group_began": times.group_began, "group_up": times.group_up,
+                      "restore_seconds": times.restore_seconds, "resumed_step": times.resumed_step}  # fmt: skip
+        self.step = times.resumed_step or 0
+        self.history: collections.deque[tuple[float, Breakdown]] = collections.deque()
+        if self.earlier:  # the window reaches back over the gap before this start
+            before = fold(self.earlier)
+            self.history.append((self.earlier[0].process_start + before.wall, before))
+        self.due = 0.0
+        self._append("start")
+
+    def record(self, kind: Literal["start", "progress", "end"], now: float | None = None) -> Record:
+        """This start's record at ``now``, unchecked: a clock stepped back must not stop training (a reader
+        skips such a record; the fold caps every figure anyway)."""
+        now = time.time() if now is None else now
+        values: dict[str, Any] = {"kind": kind, "time": now, "first_step": self.first_step, "step": self.step,
+                                  "steps": self.steps, "status": self.status, **self.fixed, **self.totals}  # fmt: skip
+        return Record.model_construct(None, **values)
+
+    def breakdown(self, now: float | None = None) -> Breakdown:
+        with self.lock:
+            return fold([*self.earlier, self.record("progress", now)])
+
+    def _append(self, kind: Literal["start", "progress", "end"]) -> None:
+        now = time.time()
+        with self.lock:
+            record = self.record(kind, now)
+            breakdown = fold([*self.earlier, record])
+        if self.fd is not None:
+            try:
+                os.write(self.fd, (record.model_dump_json() + "\n").encode())
+            except OSError as exc:
+                self._failed(exc)
+        self.history.append((now, breakdown))
+        while len(self.history) > 2 and self.history[1][0] <= now - WINDOW_SECONDS:
+            self.history.popleft()
+        self.due = time.monotonic() + self.every
+
+    def _failed(self, exc: OSError) -> None:
+        if not self.failed:
+            self.failed = True
+            log.warning("the goodput ledger %s could not be written (%s): its figures miss what this start does "
+                        "from here; free space in run_dir or make it writable (training goes on)", self.path,
+                        exc.strerror or exc)  # fmt: skip
+
+    def window(self, now: float | None = None) -> Breakdown:
+        """The last five minutes (or since this start, if shorter), from the records kept in memory."""
+        now = time.time() if now is None else now
+        current = self.breakdown(now)
+        older = [breakdown for stamp, breakdown in list(self.history) if stamp <= now - WINDOW_SECONDS]
+        base = older[-1] if older else (self.history[0][1] if self.history else Breakdown())
+        return current.minus(base)
+
+    def on_step(self, rank_samples: int, step_seconds: float = 0.0, data_wait_seconds: float = 0.0,
+                tokens: int = 0) -> None:  # fmt: skip
+        with self.lock:
+            if self.first_step is None:
+                self.first_step = time.time() - step_seconds
+            self.steps += 1
+            self.step += 1
+            self.totals["productive"] += max(0.0, step_seconds - data_wait_seconds)
+            self.totals["data_wait"] += data_wait_seconds
+        if time.monotonic() >= self.due:
+            self._append("progress")
+
+    def on_checkpoint_stall(self, seconds: float) -> None:
+        self.totals["checkpoint"] += seconds
+
+    def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
+        self.totals["eval"] += seconds
+
+    def finish(self, status: str) -> dict[str, Any]:
+        """The job's breakdown for ``summary.json``, after this start's end record (status: how it ended)."""
+        self.status = status if status in ("completed", "preempted", "failed", "lock_lost") else "failed"  # type: ignore[assignment]
+        self._append("end")
+        return self.breakdown().as_dict()
+
+    def register(self, registry: Any, run_id: str) -> None:
+        registry.register(GoodputCollector(self, run_id))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.status == "running":
+            self.status = "failed"
+        self._append("end")
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+class GoodputCollector:
+    """``ddp_job_goodput_seconds{category, window}`` and ``ddp_job_goodput_ratio{window}`` from rank 0's
+    ledger at each scrape: ``window="job"`` since the job's first start, ``window="5m"`` the last five minutes."""
+
+    def __init__(self, sink: GoodputSink, run_id: str) -> None:
+        self.sink = sink
+        self.run_id = run_id
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        seconds = GaugeMetricFamily("ddp_job_goodput_seconds", "The job's wall time by category: productive step "
+                                    "time and each badput category (docs/monitoring.md, Goodput).",
+                                    labels=["run_id", "window", "category"])  # fmt: skip
+        ratio = GaugeMetricFamily("ddp_job_goodput_ratio", "Productive step time over the wall time.",
+                                  labels=["run_id", "window"])  # fmt: skip
+        now = time.time()
+        for window, breakdown in (("job", self.sink.breakdown(now)), ("5m", self.sink.window(now))):
+            seconds.add_metric([self.run_id, window, "productive"], breakdown.productive)
+            for name in CATEGORIES:
+                seconds.add_metric([self.run_id, window, name], breakdown.badput[name])
+            ratio.add_metric([self.run_id, window], breakdown.ratio if math.isfinite(breakdown.ratio) else 0.0)
+        yield seconds
+        yield ratio

@@ -1,0 +1,367 @@
+"""The goodput ledger (service/telemetry/goodput.py): the fold, the reader, rank 0's sink and its gauges, and one
+real job through a SIGKILLed worker, a preemption and a rerun, scraped by a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import QUICK, REPO, child_env, kill_group, read_summary, require_tool
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from procs import worker_pids
+
+from service.telemetry.goodput import (
+    CATEGORIES,
+    LEDGER,
+    GoodputSink,
+    Record,
+    StartTimes,
+    fold,
+    read_ledger,
+)
+
+T0 = 1.8e9  # a Unix time
+
+
+def record(pid: int = 1, start: float = T0, end: float = T0 + 10, **fields) -> Record:
+    return Record(kind=fields.pop("kind", "progress"), pid=pid, process_start=start, time=end, restart_count=0,
+                  world_size=2, **fields)  # fmt: skip
+
+
+def total(breakdown) -> float:
+    return breakdown.productive + sum(breakdown.badput.values())
+
+
+# -- the fold ------------------------------------------------------------------------------------------
+
+
+def test_one_start_splits_into_startup_rendezvous_restore_and_the_loop_figures():
+    one = record(end=T0 + 20, group_began=T0 + 2, group_up=T0 + 3, restore_seconds=1.5, first_step=T0 + 6,
+                 steps=10, step=10, productive=9.0, data_wait=2.0, checkpoint=1.0, eval=0.5)  # fmt: skip
+    got = fold([one])
+    assert got.wall == pytest.approx(20) and got.productive == pytest.approx(9)
+    want = {"rendezvous": 1.0, "restore": 1.5, "startup": 6 - 1 - 1.5, "data_wait": 2.0, "checkpoint": 1.0,
+            "eval": 0.5, "other": 20 - 6 - 9 - 2 - 1 - 0.5}  # fmt: skip
+    assert {name: got.badput[name] for name in want} == pytest.approx(want)
+    assert got.ratio == pytest.approx(9 / 20)
+
+
+def test_a_kill_then_a_preemption_gives_recovery_lost_progress_and_preempted_idle():
+    killed = record(1, T0, T0 + 10, first_step=T0 + 2, steps=8, step=8, productive=8.0)  # killed at step 8+
+    resumed = record(2, T0 + 13, T0 + 20, first_step=T0 + 15, steps=5, step=10, resumed_step=5, productive=5.0,
+                     status="preempted")  # fmt: skip
+    rerun = record(3, T0 + 30, T0 + 35, first_step=T0 + 32, steps=3, step=13, resumed_step=10, productive=3.0,
+                   status="completed")  # fmt: skip
+    got = fold([rerun, killed, resumed])  # any order
+    assert got.starts == 3 and got.wall == pytest.approx(35)
+    assert got.badput["recovery"] == pytest.approx(3.0)  # from the killed start's last record to the next start
+    assert got.badput["preempted_idle"] == pytest.approx(10.0)  # after the preempted start
+    assert got.badput["lost_progress"] == pytest.approx(3.0)  # steps 6..8 again, at 1 s each
+    assert got.productive == pytest.approx(8 - 3 + 5 + 3)
+    assert total(got) == pytest.approx(got.wall)
+
+
+def test_only_the_last_record_of_a_start_counts():
+    early = record(end=T0 + 5, first_step=T0 + 1, steps=2, step=2, productive=2.0)
+    late = record(end=T0 + 9, first_step=T0 + 1, steps=6, step=6, productive=6.0, kind="end")
+    assert fold([late, early]).productive == pytest.approx(6.0) and fold([early, late]).wall == pytest.approx(9)
+
+
+times = st.floats(0, 1e4, allow_nan=False)
+
+
+@st.composite
+def records(draw):
+    start = T0 + draw(times)
+    span = draw(times)
+    steps = draw(st.integers(0, 50))
+    parts = draw(st.lists(st.floats(0, 1, allow_nan=False), min_size=5, max_size=5))
+    parts = [part / max(1.0, sum(parts)) * span for part in parts]  # within the span, as the validator wants
+    began = start + draw(st.floats(0, 1)) * span
+    return Record(kind="progress", pid=draw(st.integers(1, 4)), process_start=start, time=start + span,
+                  restart_count=0, world_size=1, group_began=began, group_up=began, first_step=began if steps else None,
+                  steps=steps, step=draw(st.integers(0, 100)), resumed_step=draw(st.none() | st.integers(0, 100)),
+                  productive=parts[0], data_wait=parts[1], checkpoint=parts[2], eval=parts[3],
+                  restore_seconds=parts[4],
+                  status=draw(st.sampled_from(["running", "preempted", "failed"])))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(records(), max_size=8))
+def test_productive_plus_every_category_is_the_wall_time_for_any_records(ledger):
+    """Overlapping starts, duplicates, resumes from any step: the figures are >= 0 and add up (the 1% invariant)."""
+    got = fold(ledger)
+    assert got.productive >= 0 and all(got.badput[name] >= 0 for name in CATEGORIES)
+    assert math.isclose(total(got), got.wall, rel_tol=0.01, abs_tol=1e-6), got
+    if ledger:
+        first = min(r.process_start for r in ledger)
+        assert got.wall <= max(r.time for r in ledger) - first + 1e-6
+        assert 0 <= got.ratio <= 1 + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 100), st.floats(0, 1), st.integers(1, 20)), min_size=1, max_size=6),
+       st.floats(0, 50))  # fmt: skip
+def test_sequential_starts_keep_their_own_figures_and_gaps(starts, gap):
+    """Starts that do not overlap: each start's productive time and each gap come back unchanged (no resume)."""
+    ledger, at = [], T0
+    for index, (span, share, steps) in enumerate(starts):
+        ledger.append(record(index + 1, at, at + span, first_step=at, steps=steps, step=steps, productive=span * share))
+        at += span + gap
+    got = fold(ledger)
+    assert got.productive == pytest.approx(sum(span * share for span, share, _ in starts))
+    assert got.badput["recovery"] == pytest.approx(gap * (len(starts) - 1), abs=1e-6)
+    assert got.wall == pytest.approx(at - gap - T0)
+
+
+# -- the reader ----------------------------------------------------------------------------------------
+
+
+def test_the_reader_skips_a_torn_line_garbage_and_forged_records(tmp_path, caplog):
+    good = [record(end=T0 + 5), record(end=T0 + 9, first_step=T0 + 1, steps=3, step=3, productive=3.0)]
+    forged = [
+        dict(good[0].model_dump(), productive=1e6),  # more time than the start lasted
+        dict(good[0].model_dump(), first_step=T0 - 100, steps=1),  # a first step before the process started
+        dict(good[0].model_dump(), productive=-1.0),
+        dict(good[0].model_dump(), status="hacked"),
+        dict(good[0].model_dump(), admin=True),  # an unknown field
+        dict(good[0].model_dump(), time=float("inf")),
+    ]
+    lines = [good[0].model_dump_json(), "not json {", "[1, 2]", "\xff\xfe", *(json.dumps(f) for f in forged),
+             good[1].model_dump_json()]  # fmt: skip
+    path = tmp_path / LEDGER
+    torn = good[1].model_dump_json()[:40]  # a writer died in its write
+    path.write_bytes(("\n".join(lines) + "\n" + torn).encode())
+    assert read_ledger(path) == good
+    assert "skipped 10 line(s)" in caplog.text
+    assert read_ledger(tmp_path / "none.jsonl") == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(records(), st.binary(max_size=60).filter(lambda b: b"\n" not in b)), max_size=10),
+       st.binary(max_size=30).filter(lambda b: b"\n" not in b))  # fmt: skip
+def test_the_reader_returns_exactly_the_valid_records_among_any_bytes(tmp_path_factory, lines, torn):
+    path = tmp_path_factory.mktemp("ledger") / LEDGER
+    data = b"".join((line.model_dump_json().encode() if isinstance(line, Record) else line) + b"\n" for line in lines)
+    path.write_bytes(data + torn)
+    assert read_ledger(path) == [line for line in lines if isinstance(line, Record)]
+
+
+# -- rank 0's sink -------------------------------------------------------------------------------------
+
+
+def test_the_sink_appends_whole_lines_continues_an_earlier_ledger_and_serves_the_gauges(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    now = time.time()
+    earlier = record(7, now - 100, now - 60, first_step=now - 90, steps=30, step=30, productive=20.0,
+                     status="preempted", kind="end")  # fmt: skip
+    (tmp_path / LEDGER).write_text(earlier.model_dump_json() + "\n")
+    sink = GoodputSink(tmp_path, 0.01, StartTimes(now - 5, now - 4, now - 3.5, 1.0, 30), 0, 2)
+    registry = CollectorRegistry()
+    sink.register(registry, "job-1")
+    for _ in range(5):
+        sink.on_step(8, step_seconds=0.02, data_wait_seconds=0.005)
+        time.sleep(0.025)  # longer than the step it reports: real time passes
+    sink.on_eval(None, 0.25)  # type: ignore[arg-type]
+    sink.on_checkpoint_stall(0.125)
+    summary = sink.finish("completed")
+    sink.close()
+    lines = (tmp_path / LEDGER).read_text().splitlines()
+    assert len(lines) >= 4 and all(line.startswith("{") for line in lines)
+    mine = [r for r in read_ledger(tmp_path / LEDGER) if r.pid == os.getpid()]
+    assert [r.kind for r in mine][0] == "start" and mine[-1].kind == "end" and mine[-1].status == "completed"
+    assert (mine[-1].steps, mine[-1].step, mine[-1].resumed_step) == (5, 35, 30)
+    assert mine[-1].eval == 0.25 and mine[-1].checkpoint == 0.125 and mine[-1].data_wait == pytest.approx(0.025)
+    assert summary["starts"] == 2 and summary["productive_seconds"] == pytest.approx(20.075, abs=0.002)
+    assert summary["badput_seconds"]["preempted_idle"] == pytest.approx(55.0, abs=0.01)
+    assert summary["badput_seconds"]["restore"] == 1.0
+    text = generate_latest(registry).decode()
+    assert 'ddp_job_goodput_ratio{run_id="job-1",window="job"}' in text
+    assert 'ddp_job_goodput_seconds{category="productive",run_id="job-1",window="5m"}' in text
+    for name in CATEGORIES:
+        assert f'category="{name}",run_id="job-1",window="job"' in text
+    job = fold(read_ledger(tmp_path / LEDGER))
+    assert job.ratio == pytest.approx(summary["ratio"], abs=0.01)
+    window = sink.window()  # the last 5 minutes: the gap after the earlier start (60 s ago) and this start
+    assert window.wall == pytest.approx(60, abs=0.5) and window.badput["preempted_idle"] == pytest.approx(55, abs=0.1)
+
+
+def test_the_window_counts_only_the_last_five_minutes(tmp_path, monkeypatch):
+    now = time.time()
+    sink = GoodputSink(tmp_path, 1e9, StartTimes(now - 1000, None, None, 0.0, 0), 0, 1)
+    sink.history.clear()
+    sink.history.append((now - 400, sink.breakdown(now - 400)))
+    sink.history.append((now - 350, sink.breakdown(now - 350)))
+    window = sink.window(now)
+    assert window.wall == pytest.approx(350, abs=0.01) and sink.breakdown(now).wall == pytest.approx(1000, abs=0.01)
+    sink.close()
+
+
+def test_a_new_job_moves_an_earlier_ledger_aside(tmp_path):
+    (tmp_path / LEDGER).write_text(record().model_dump_json() + "\n")
+    sink = GoodputSink(tmp_path, 10, StartTimes(time.time() - 1), 0, 1, fresh=True)
+    sink.close()
+    assert [r.pid for r in read_ledger(tmp_path / LEDGER)] == [os.getpid()] * 2
+    assert len(list(tmp_path.glob("goodput-*.jsonl"))) == 1
+
+
+def test_a_full_disk_costs_the_ledger_its_records_never_the_training(tmp_path, caplog):
+    sink = GoodputSink(tmp_path, 0.0, StartTimes(time.time() - 1), 0, 1)
+    os.close(sink.fd)
+    sink.fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    sink.on_step(8, 0.01, 0.0)
+    sink.first_step = time.time() + 3600  # a clock stepped back: the record is invalid, training goes on
+    sink.on_step(8, 0.01, 0.0)
+    assert sink.breakdown().wall > 0
+    assert sink.finish("failed")["starts"] == 1
+    sink.close()
+    assert caplog.text.count("could not be written (No space left on device)") == 1
+    assert [r.kind for r in read_ledger(tmp_path / LEDGER)] == ["start"]
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")
+    GoodputSink(unwritable, 1.0, StartTimes(time.time()), 0, 1).close()  # run_dir is a file: no ledger, no raise
+
+
+def test_the_cli_prints_the_table_and_json_and_refuses_a_missing_ledger(tmp_path, capsys):
+    from service.cli import main
+
+    (tmp_path / LEDGER).write_text(record(end=T0 + 4, first_step=T0 + 1, steps=2, step=2, productive=2.0)
+                                   .model_dump_json() + "\n")  # fmt: skip
+    assert main(["goodput", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "productive" in out and "50.0%" in out and "goodput 0.500 over 1 start(s)" in out
+    assert main(["goodput", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ratio"] == 0.5
+    assert main(["goodput", str(tmp_path / "nope")]) == 2
+    assert "metrics.goodput=true" in capsys.readouterr().err
+
+
+# -- one real job: a SIGKILLed worker, a preemption, a rerun --------------------------------------------
+
+
+def proc_start(pid: int) -> float:
+    """A process's start (Unix seconds), read by the test from /proc as ps does."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def wait_for(check, timeout: float, what: str, every: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+ITEM_SLEEP, LINGER, BATCH = 0.01, 2.0, 4
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(tmp_path):
+    from test_prometheus_e2e import Prometheus, free_base_port
+    from test_resume_e2e import finish, watch
+
+    require_tool("prometheus", "`make test` installs the Debian package prometheus (apt-get, as root).")
+    base = free_base_port(("127.0.0.1",), 2)
+    prom = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{base}"])  # rank 0: the goodput gauges
+    run_dir = tmp_path / "run"
+    quick = [item for override in QUICK for item in ("--set", override)]
+    job = [sys.executable, "-m", "service", "launch", "--standalone", "--nproc_per_node=2", "--max-restarts=1", *quick]
+    for key, value in {"run_dir": run_dir, "task": "slow_tasks:slow_shapes", "task_options.image_size": 16,
+                       "task_options.sleep": 0.02, "task_options.item_sleep": ITEM_SLEEP,
+                       "task_options.linger_seconds": LINGER, "task_options.linger_rank": 1,
+                       "train.batch_size": BATCH, "train.max_steps": 36,
+                       "train.log_every": 1, "checkpoint.every_steps": 8, "checkpoint.snapshot_every": 0,
+                       "metrics.port": base, "metrics.goodput_every_seconds": 0.25}.items():  # fmt: skip
+        job += ["--set", f"{key}={value}"]
+    started = time.time()
+    proc, watcher = watch(job)
+    try:
+        watcher.wait_for(r"checkpoint saved: .*step-00000008\.pt", timeout=120)
+        watcher.wait_for(r"\[rank 0\] INFO step 11/", timeout=60)
+        served = {port: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                  for port in (base, base + 1)}  # fmt: skip
+        assert "ddp_job_goodput_ratio{" in served[base] and "ddp_job_goodput" not in served[base + 1]  # rank 0 only
+        workers = worker_pids(proc.pid)
+        os.kill(workers[0], signal.SIGKILL)  # rank 0: its ledger stops at its last record, at most 0.25 s ago
+        killed = time.time()
+        old_exit = wait_for(lambda: gone(workers[1]) and time.time(), 40, "the first rank 1 exits")
+        new = wait_for(lambda: (worker_pids(proc.pid).get(0) or 0) not in (0, workers[0]) and worker_pids(proc.pid)[0],
+                       60, "a new rank 0")  # fmt: skip
+        new_start = proc_start(new)
+        watcher.wait_for(r"\[rank 0\] INFO step 20/", timeout=60)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert finish(proc, watcher) == 75, watcher.text()[-3000:]
+        first, first_text = read_summary(run_dir), watcher.text()
+        assert first["status"] == "preempted" and first["restarts"] == 1 and first["goodput"]["starts"] == 2
+        time.sleep(1.0)
+        proc, watcher = watch(job)
+        assert finish(proc, watcher) == 0, watcher.text()[-3000:]
+        summary = read_summary(run_dir)
+        ratio = 'max without (run_id) (ddp_job_goodput_ratio{window="job"})'  # each launch has its own run id
+        ratio_series = prom.api("query_range", query=ratio, start=f"{started:.3f}", end=f"{time.time():.3f}",
+                                step="0.5")["result"]  # fmt: skip
+    finally:
+        kill_group(proc)
+        prom.stop()
+    assert f"lingering {LINGER} s before exit" in first_text
+    assert summary["status"] == "completed" and summary["global_step"] == 36
+    out = subprocess.run([sys.executable, "-m", "service", "goodput", str(run_dir), "--json"], cwd=REPO,
+                         env=child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    ledger, table = json.loads(out.stdout), subprocess.run(
+        [sys.executable, "-m", "service", "goodput", str(run_dir)], cwd=REPO, env=child_env(), capture_output=True,
+        text=True, timeout=60).stdout  # fmt: skip
+    print(f"\nthe test job's breakdown:\n{table}")
+    badput = ledger["badput_seconds"]
+    # Categories add up to the wall time from the first start, within 1%.
+    assert ledger["starts"] == 3
+    assert math.isclose(ledger["productive_seconds"] + sum(badput.values()), ledger["wall_seconds"], rel_tol=0.01)
+    assert badput["recovery"] > 0 and badput["lost_progress"] >= 0 and badput["preempted_idle"] > 1.0
+    # The steps after step 8 that the SIGKILL cost (up to rank 0's last record) were priced as lost progress.
+    starts = {r.restart_count: r for r in read_ledger(run_dir / LEDGER) if r.kind == "end"}
+    assert badput["lost_progress"] > 0, starts
+    # Injected delays come back: the data wait of every sample rank 0 loaded ...
+    records = [r for r in read_ledger(run_dir / LEDGER)]
+    last = {r.start_id: r for r in sorted(records, key=lambda r: r.time)}
+    steps = sum(r.steps for r in last.values())
+    want = steps * BATCH * ITEM_SLEEP
+    assert abs(badput["data_wait"] - want) <= max(0.5, 0.1 * want), (badput["data_wait"], want, steps)
+    # ... and rank 1's linger before its agent could restart the group, in recovery: from the SIGKILL of rank 0
+    # to the new rank 0's process start, both seen by the test, with the linger in between.
+    assert old_exit - killed >= LINGER, (old_exit - killed, first_text[-2000:])
+    want = new_start - killed
+    assert abs(badput["recovery"] - want) <= 0.5, (badput["recovery"], want, old_exit - killed)
+    print(
+        f"recovery {badput['recovery']:.2f} s, the test saw {want:.2f} s from the kill to the new rank 0 (rank 1 "
+        f"left {old_exit - killed:.2f} s after the kill, {LINGER} s of it lingering); data_wait "
+        f"{badput['data_wait']:.2f} s, injected {steps * BATCH * ITEM_SLEEP:.2f} s over {steps} steps"
+    )
+    # summary.json's ratio is the job's, and Prometheus saw the ratio continue across the restart.
+    assert summary["goodput"]["starts"] == 3 and summary["goodput"]["ratio"] == pytest.approx(ledger["ratio"], abs=0.02)
+    assert len(ratio_series) == 1, ratio_series
+    values = [float(value) for _, value in ratio_series[0]["values"]]
+    scraped = [stamp for stamp, _ in ratio_series[0]["values"]]
+    assert values and values[-1] == pytest.approx(summary["goodput"]["ratio"], abs=0.03), values[-5:]
+    positive = next(index for index, value in enumerate(values) if value > 0)
+    assert min(values[positive:]) > 0, values
+    assert any(b - a > 2 for a, b in zip(scraped, scraped[1:], strict=False)), "no gap between starts was scraped"
