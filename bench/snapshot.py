@@ -36,7 +36,7 @@ About 7 minutes on 2 idle cores with the defaults; run it alone (the figures are
 wall-clock times of CPU-bound processes).
 
     python bench/snapshot.py [--rounds 2] [--world 1,2] [--intervals 1,4,16] [--steps 16] [--warmup 4]
-                             [--parts throughput,crash,node] [--kill-at 60]
+                             [--parts throughput,crash,node] [--kill-at 60] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ MLP = ["task=mlp_task:mlp", "train.optimizer=adamw", "train.lr=0.0001", "train.b
 SLOW = ["task=slow_tasks:slow_shapes", "task_options.sleep=0.03", "train.batch_size=8",
         "task_options.train_size=4096"]  # fmt: skip
 _SERVICE_TIME = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\] "
-RESUMING = re.compile(_SERVICE_TIME + r"INFO resuming from (\S+) \(step (\d+), .* from (\S+) in", re.M)
+# service/state/resume.py: "resuming from <file> (step N, 0.1 MiB from this node's snapshot in 0.12 s)".
+RESUMING = re.compile(
+    _SERVICE_TIME + r"INFO resuming from (\S+) \(step (\d+), .* from (?:this node's |rank \d+'s )?(\S+) in", re.M
+)
 GROUP_UP = re.compile(_SERVICE_TIME + r"INFO process group up: attempt (\d+)", re.M)
 PHASES = ("detect", "stop", "rendezvous", "worker start", "restore", "first step")
 
@@ -307,6 +310,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out first")
     parser.add_argument("--kill-at", type=int, default=60, help="the step after which the recovery runs kill")
     parser.add_argument("--parts", default="throughput,crash,node")
+    parser.add_argument("--logs", type=Path, default=None, help="copy every run's log into this directory")
     args = parser.parse_args()
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = set(parts) - {"throughput", "crash", "node"}
@@ -333,6 +337,10 @@ def main() -> int:
                 recovery("node", args, workdir, shm_dir, etcd.endpoint)
             finally:
                 etcd.kill()
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log"):
+                shutil.copy(log, args.logs / log.name)
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (other processes on this machine skew every figure)")
     return 0
 
