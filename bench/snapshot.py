@@ -24,8 +24,8 @@ alternating within each round so drift on the machine hits them alike:
 For 2 and 3: the steps lost (the last step logged before the kill minus the
 step resumed from) and the seconds from the kill to the first resumed step,
 broken into phases from the timestamped log lines: detect (the kill to
-torchrun's ``failed (exitcode``), stop (to its ``Rendezvous'ing worker group``:
-the other workers stopped), rendezvous (to ``Starting worker group``), worker
+torchrun's first ``closing signal SIGTERM`` or ``failed (exitcode``), stop (to
+its ``Rendezvous'ing worker group``: the other workers stopped), rendezvous (to ``Starting worker group``), worker
 start (to the service's ``process group up``), restore (to ``resuming from``)
 and first step (to the first step line). Targets (issue #18, 2 cores): kill to
 first resumed step <= 5 s for a worker crash, <= 6 s for a lost node;
@@ -42,6 +42,7 @@ wall-clock times of CPU-bound processes).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -55,10 +56,12 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # agents.py imports procs from there
+sys.path.insert(0, str(REPO / "bench"))  # mlp_task
 
 from procs import kill_tree, worker_pids  # noqa: E402
 
@@ -183,6 +186,63 @@ def throughput(args: argparse.Namespace, tmp: Path, shm: Path) -> None:
         print(f"      world {world}: throughput ratio >= {TARGET_RATIO} with {verdict}")
 
 
+def breakdown(shm: Path, repeats: int = 3) -> None:
+    """Where one snapshot's time goes, in this process: the mlp_task state after one AdamW step, timed alone."""
+    import hashlib
+    import threading
+
+    import torch
+    from mlp_task import mlp
+
+    from service.state.checkpoint import StagingBuffer
+    from service.state.checkpoint_io import write_checkpoint
+    from service.tasks.base import TaskSpec
+
+    task = mlp(TaskSpec(seed=0))
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-4)
+    inputs, targets = task.train_set[:32]
+    torch.nn.functional.mse_loss(task.model(inputs), targets).backward()
+    optimizer.step()
+    state = {"model": task.model.state_dict(), "optimizer": optimizer.state_dict()}
+    staging = StagingBuffer(pin=False)
+    staged = staging.stage(state)
+    nbytes = sum(t.numel() * t.element_size() for t in staging.tensors.values())
+
+    def best(fn: Any) -> tuple[float, float]:
+        """(wall, CPU of this thread) seconds, the best of ``repeats``."""
+        runs = []
+        for _ in range(repeats):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            fn()
+            runs.append((time.perf_counter() - wall, time.thread_time() - cpu))
+        return min(runs)
+
+    class Discard(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            return memoryview(data).nbytes
+
+    payload = bytes(nbytes)
+    directory = shm / "breakdown"
+    crc = torch.serialization.get_crc32_options()
+    parts = {"stage (copy into the reused buffers)": best(lambda: staging.stage(state)),
+             "torch.save (crc32 on), no I/O": best(lambda: torch.save(staged, Discard()))}  # fmt: skip
+    torch.serialization.set_crc32_options(False)
+    try:
+        parts["torch.save (crc32 off), no I/O"] = best(lambda: torch.save(staged, Discard()))
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    parts["sha256"] = best(lambda: hashlib.sha256(payload).digest())
+    parts["write_checkpoint to /dev/shm (all)"] = best(lambda: write_checkpoint(directory, 1, staged, "0" * 64))
+    shutil.rmtree(directory, ignore_errors=True)
+    print(f"\none snapshot's work, alone ({nbytes / 1e6:.0f} MB staged; {torch.get_num_threads()} torch threads, "
+          f"{threading.active_count()} Python threads); best of {repeats}")  # fmt: skip
+    for name, (wall, cpu) in parts.items():
+        print(f"  {name:<40}{wall * 1e3:>8.0f} ms{cpu * 1e3:>8.0f} ms CPU{nbytes / wall / 1e9:>7.2f} GB/s")
+
+
 def label(every: int) -> str:
     return f"every {every}" if every else "off"
 
@@ -197,7 +257,9 @@ def phases(run: Standalone | Agent, killed_at: float) -> dict[str, float]:
     def first(times: list[float], after: float) -> float:
         return min((t for t in times if t > after), default=nan)
 
-    failed = first(torch_line_times(run, r"failed \(exitcode"), killed_at)
+    # torchrun logs "closing signal SIGTERM" to the other workers as it sees the first exit, "failed (exitcode" once
+    # they are gone: the first of the two is when it noticed.
+    failed = first(torch_line_times(run, r"failed \(exitcode|closing signal SIG"), killed_at)
     rendezvous = first(torch_line_times(run, r"Rendezvous'ing worker group"), killed_at)
     group_up = first([service_time(m[0]) for m in GROUP_UP.findall(log)], killed_at)
     begun = [t for t in torch_line_times(run, r"Starting worker group") if t < group_up]
@@ -328,6 +390,7 @@ def main() -> int:
         workdir, shm_dir = Path(tmp), Path(shm)
         if "throughput" in parts:
             throughput(args, workdir, shm_dir)
+            breakdown(shm_dir)
         if "crash" in parts:
             recovery("crash", args, workdir, shm_dir, "")
         if "node" in parts:
