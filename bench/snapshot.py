@@ -12,8 +12,11 @@ alternating within each round so drift on the machine hits them alike:
    the first ``--warmup`` steps, over ``--steps`` more (a multiple of every
    interval, so each arm pays its snapshots in the window), as a mean (a
    snapshot every 16 steps shows in the mean, not in a median). Also per arm:
-   the cost of one snapshot (the extra step time x the interval) and the
-   summary's ``snapshots: {written, skipped}``.
+   the cost of one snapshot (the extra time over the window / the snapshots
+   taken in it: a step that comes while one is written is skipped) and the
+   summary's ``snapshots: {written, skipped}``. Then one snapshot's work timed
+   alone in this process: the copy, torch.save with and without crc32,
+   sha256, and the whole write into /dev/shm.
 2. a worker crash: ``slow_tasks:slow_shapes`` (``task_options.sleep``) in 2
    processes under ``--standalone --max-restarts=1``, disk checkpoints every 50
    steps; local rank 1 is SIGKILLed after step ``--kill-at``.
@@ -32,7 +35,7 @@ first resumed step <= 5 s for a worker crash, <= 6 s for a lost node;
 throughput ratio >= 0.98.
 
 Snapshots go to a temporary directory under ``/dev/shm``, removed at the end.
-About 7 minutes on 2 idle cores with the defaults; run it alone (the figures are
+About 8 minutes on 2 cores with the defaults (``--parts`` runs one part); run it alone (the figures are
 wall-clock times of CPU-bound processes).
 
     python bench/snapshot.py [--rounds 2] [--world 1,2] [--intervals 1,4,16] [--steps 16] [--warmup 4]
@@ -175,9 +178,11 @@ def throughput(args: argparse.Namespace, tmp: Path, shm: Path) -> None:
         for every in arms:
             runs = results[world, every]
             step = statistics.median(r["step"] for r in runs)
-            cost = f"{(step - base) * every * 1e3:.0f}" if every else ""
             written = statistics.median(r["written"] for r in runs)
             skipped = statistics.median(r["skipped"] for r in runs)
+            # the snapshots taken in the timed window: every N-th step, less the share skipped (one in flight)
+            taken = args.steps // every * written / (written + skipped) if every and written else 0
+            cost = f"{(step - base) * args.steps / taken * 1e3:.0f}" if taken else ""
             print(f"{world:>5} {label(every):<10}{step * 1e3:>9.1f}{base / step:>7.3f}{cost:>12}"
                   f"{written:>9.0f}{skipped:>9.0f}")  # fmt: skip
             if every and reached is None and base / step >= TARGET_RATIO:
