@@ -125,6 +125,7 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
     from service.loop.sampler import DataPlan
     from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
+    from service.state.snapshot import Snapshots
     from service.tasks.base import Task
 
     inputs, targets = data
@@ -134,7 +135,8 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
                                 autocast=contextlib.nullcontext,
                                 step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
                                 precision=Precision(None, torch.device("cpu"), None), nonfinite=recorder,
-                                optimizer=optimizer, scheduler=types.SimpleNamespace(step=lambda: None))  # fmt: skip
+                                optimizer=optimizer, scheduler=types.SimpleNamespace(step=lambda: None),
+                                roles=types.SimpleNamespace(snapshots=Snapshots()))  # fmt: skip
     plan = DataPlan(len(inputs), 7, global_batch, world, rank, micro_steps)
     for number, step in enumerate(plan.steps(0, 0), 1):
         micro = [(inputs[list(part.indices)], targets[list(part.indices)]) for part in step.micro]
