@@ -64,10 +64,11 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     if config.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard" / f"rank{world.rank}"))
     new_job = config.checkpoint.resume == "never" and resumed is None and world.restart_count == 0
-    goodput = (GoodputSink(run_dir, config.metrics.goodput_every_seconds, startup, world.restart_count,
-                           world.world_size, fresh=new_job)
-               if is_rank0 and config.metrics.goodput and startup is not None else NoGoodput())  # fmt: skip
-    sinks.append(goodput)
+    goodput: NoGoodput = NoGoodput()
+    if is_rank0 and config.metrics.goodput and startup is not None:
+        goodput = GoodputSink(run_dir, config.metrics.goodput_every_seconds, startup, world.restart_count,
+                              world.world_size, fresh=new_job)  # fmt: skip
+        sinks.append(goodput)
     base_port = config.metrics.port
     if base_port:
         port = 0 if base_port == "auto" else int(base_port) + world.local_rank
