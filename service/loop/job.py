@@ -18,9 +18,11 @@ from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import LRSchedule
 from service.loop.parallel import unwrap
 from service.loop.precision import Precision
+from service.loop.progress import Progress
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
 from service.loop.steps import TaskStep
+from service.loop.watchdog import Watchdog
 from service.state.preemption import Preemption
 from service.state.resume import Resumed
 from service.tasks.base import Task
@@ -73,6 +75,8 @@ class Job:
     total_steps: int
     world_sum: Callable[[Sequence[float]], list[float]]  # a collective over the control group: host numbers summed
     precision: Precision
+    progress: Progress  # where the main thread stands: the loop marks it, the watchdog reads it
+    watchdog: Watchdog
 
     @property
     def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:

@@ -18,6 +18,8 @@ from service.telemetry.metrics import (
     TensorBoardSink,
     progress_sink,
 )
+from service.telemetry.hangs import FILE as HANGS_FILE
+from service.telemetry.hangs import tally
 from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
 from service.world.env import WorldInfo
 
@@ -59,7 +61,8 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     if base_port:
         port = 0 if base_port == "auto" else int(base_port) + world.local_rank
         sinks.append(PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
-                                    backend, base_port, config.metrics.allreduce_timing))  # fmt: skip
+                                    backend, base_port, config.metrics.allreduce_timing,
+                                    tally(run_dir / HANGS_FILE, world.rank)))  # fmt: skip
     sink = FanOutSink(sinks)
     ckpt = config.checkpoint
     fresh = ckpt.resume == "never" and resumed_step is None  # never: the job's first start; its restarts resume

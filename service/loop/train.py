@@ -30,10 +30,12 @@ from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import build_optimizer, build_schedule, make_optimizer
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
 from service.loop.precision import Precision
+from service.loop.progress import CHECKPOINT, DATA, EVAL, FORWARD_BACKWARD, OPTIMIZER, Progress
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_lambda
 from service.loop.steps import TaskInterfaceError, TaskStep
+from service.loop.watchdog import Watchdog
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
@@ -120,6 +122,10 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, precision.autocast)
     eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed, collate)
+    roles = build_roles(config, world, total_steps, config_hash(config), dist_ctx.is_cuda,
+                        resumed.step if resumed else None, resumed.state.get("lineage") if resumed else own,
+                        dist_ctx.backend, terminal)  # fmt: skip
+    progress = Progress(state.global_step)
     job = Job(
         config=config,
         world=world,
@@ -135,17 +141,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         sampler=sampler,
         loader=loader,
         eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world, collate),
-        roles=build_roles(
-            config,
-            world,
-            total_steps,
-            config_hash(config),
-            dist_ctx.is_cuda,
-            resumed.step if resumed else None,
-            resumed.state.get("lineage") if resumed else own,
-            dist_ctx.backend,
-            terminal,
-        ),
+        roles=roles,
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
@@ -154,6 +150,8 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         total_steps=total_steps,
         world_sum=sum_across(dist_ctx.control),
         precision=precision,
+        progress=progress,
+        watchdog=Watchdog.for_job(config, world, dist_ctx, progress, preemption, roles.sink),
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
@@ -183,9 +181,11 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
     DDP averages is the mean over every sample of the global step. Returns the
     step's loss (a detached tensor: no host sync here).
     """
-    model, count, loss_of = job.model, len(micro_batches), job.step.loss
+    model, count, loss_of, progress = job.model, len(micro_batches), job.step.loss, job.progress
     loss_sum = torch.zeros((), device=job.device)
+    progress.phase = FORWARD_BACKWARD
     for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
+        progress.tick += 1
         batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
         sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
@@ -196,6 +196,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
+    progress.phase = OPTIMIZER
     job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
@@ -258,6 +259,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
     """
     if state.global_step >= job.total_steps:
         return "steps"
+    progress = job.progress
+    progress.phase = DATA
     job.model.train()
     job.sampler.position(state.epoch, state.cursor)
     batches = iter(job.loader)
@@ -265,11 +268,13 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
         job.config.seed  # fmt: skip
     for plan in job.plan.steps(state.epoch, state.cursor):
         started = time.perf_counter()  # host timers only: no device sync for the metrics
+        progress.phase = DATA
         micro = [next(batches) for _ in plan.micro]
         fetched = time.perf_counter()
         seed_step(seed, state.global_step, job.world.rank, job.device)
         loss = optimizer_step(job, plan, micro, state.global_step + 1)
         state.global_step += 1
+        progress.stepped(state.global_step, time.perf_counter() - started)
         job.nonfinite.check(state.global_step)
         state.cursor = plan.end
         state.samples_seen += plan.size
@@ -289,6 +294,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             job.model.train()
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
+        progress.phase = CHECKPOINT
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"
@@ -305,10 +311,12 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     names = job.eval_names
     if not names:
         return None
-    model = unwrap(job.model)
+    model, progress = unwrap(job.model), job.progress
+    progress.phase = EVAL
     model.eval()
     totals = torch.zeros(len(names) + 1, device=job.device, dtype=torch.float64)
     for batch in job.eval_loader:
+        progress.tick += 1
         sums, count = job.step.eval_values(model, to_device(batch, job.device), job.autocast)
         if list(sums) != names:
             raise TaskInterfaceError(
@@ -330,6 +338,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
 def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
     """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
     if report is not None:
+        job.progress.phase = CHECKPOINT
         job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
 
 
@@ -363,6 +372,7 @@ def train(job: Job) -> dict[str, Any]:
     evals: list[EvalReport | None] = []
     every_epoch = job.config.train.eval_every is None
     start_samples = state.samples_seen
+    job.watchdog.start()
     try:
         while True:
             if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
@@ -383,6 +393,7 @@ def train(job: Job) -> dict[str, Any]:
                 keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
+        job.progress.phase = CHECKPOINT
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
         if status == "preempted":
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
@@ -393,6 +404,8 @@ def train(job: Job) -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
             job.roles.summary.write(failed)
         raise
+    finally:
+        job.watchdog.stop()
     seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
     last = evals[-1] if evals else None
     summary = make_summary(job, state, last, seconds, trained, status, error=job.preemption.lock_lost)
