@@ -11,6 +11,7 @@ caught too). Reading the file and the overrides, bounded, is
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -78,7 +79,7 @@ def _port(value: Any) -> int | str:
 
 Port = Annotated[int | Literal["auto"], PlainValidator(_port)]
 
-HANG_TIMEOUT_MIN = 3  # the watchdog's heartbeat is 1 s: a shorter timeout could not tell a stopped rank from a waiting one
+HANG_TIMEOUT_MIN = 3  # the watchdog's heartbeat is 1 s: a shorter timeout could not tell stopped from waiting
 
 
 def _hang_timeout(value: Any) -> float | str:
@@ -87,9 +88,16 @@ def _hang_timeout(value: Any) -> float | str:
         return "auto"
     fix = (f"must be auto (10 x the p99 optimizer-step time, at least 30 s) or a number of seconds from "
            f"{HANG_TIMEOUT_MIN} to {TIMEOUT_MAX}, e.g. 120")  # fmt: skip
+    if isinstance(value, str):  # YAML reads 1e400, Infinity and 1e9 as strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(fix) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(fix)
-    if value != value or not HANG_TIMEOUT_MIN <= value <= TIMEOUT_MAX:  # nan too
+    if not math.isfinite(value):
+        raise ValueError(_NOT_FINITE)
+    if not HANG_TIMEOUT_MIN <= value <= TIMEOUT_MAX:
         raise ValueError(fix)
     return float(value)
 

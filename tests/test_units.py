@@ -203,6 +203,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
 
     from service.loop.nonfinite import NonfiniteGuard
     from service.loop.precision import Precision
+    from service.loop.progress import Progress
     from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
     from service.tasks.base import Task
@@ -222,6 +223,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
         step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
         nonfinite=NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path, (), 3),
         optimizer=torch.optim.SGD(params, lr=0.1), scheduler=types.SimpleNamespace(step=lambda: None),
+        progress=Progress(),
     )  # fmt: skip
     for number, step in enumerate(DataPlan(12, 0, 4, 1, 0, 1).steps(0, 0), 1):
         optimizer_step(

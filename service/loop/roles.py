@@ -10,6 +10,8 @@ from service.config import JobConfig
 from service.loop.data import FileSampleTrace, SampleTrace
 from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
+from service.telemetry.hangs import FILE as HANGS_FILE
+from service.telemetry.hangs import tally
 from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
@@ -18,8 +20,6 @@ from service.telemetry.metrics import (
     TensorBoardSink,
     progress_sink,
 )
-from service.telemetry.hangs import FILE as HANGS_FILE
-from service.telemetry.hangs import tally
 from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
 from service.world.env import WorldInfo
 

@@ -32,6 +32,9 @@ class HangTally:
     behind_rank: int = -1
 
 
+NO_HANGS = HangTally()
+
+
 def append_hang(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` as one line, in one ``write``: concurrent ranks' lines do not interleave."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()

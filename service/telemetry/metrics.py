@@ -18,7 +18,7 @@ from typing import Any
 
 from service.telemetry.commtiming import AllreduceTimer, WaitClock
 from service.telemetry.commtiming import instrument as instrument_collectives
-from service.telemetry.hangs import HangTally
+from service.telemetry.hangs import NO_HANGS, HangTally
 
 log = logging.getLogger("service.loop.train")
 
@@ -235,7 +235,7 @@ class PrometheusSink(MetricsSink):
 
     def __init__(self, host: str, port: int, world: Any, device: str = "cpu", backend: str = "none",
                  base_port: int | str | None = None, allreduce_timing: bool = True,
-                 hangs: HangTally = HangTally()) -> None:  # fmt: skip
+                 hangs: HangTally = NO_HANGS) -> None:  # fmt: skip
         """``hangs``: what this rank's earlier starts found (``run_dir/hangs.jsonl``), counted on from there."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
