@@ -18,8 +18,6 @@ from conftest import kill_group, read_summary, run_job
 from procs import worker_pids
 from test_resume_e2e import SLOW, finish, start
 
-from service.telemetry.hangs import read_hangs
-
 pytestmark = pytest.mark.e2e
 
 HANG_TIMEOUT = 5
@@ -75,6 +73,8 @@ def test_a_sigstopped_rank_is_named_the_world_restarts_and_ends_bit_exact(tmp_pa
     assert (summary["status"], summary["restarts"]) == ("completed", 1)
     assert summary["resumed_from"]["step"] in (8, 12)
     assert summary["model_digest"] == straight["model_digest"]
+    from service.telemetry.hangs import read_hangs
+
     assert [(hang["rank"], hang["behind"]) for hang in read_hangs(run_dir / "hangs.jsonl")] == [(0, [1])]
 
 
