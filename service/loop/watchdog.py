@@ -47,7 +47,7 @@ from service.telemetry.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 PREFIX = "watchdog/"
-POLL = 0.25  # seconds between looks at the record
+POLL = 0.5  # seconds between looks at the record
 PUBLISH_EVERY = 1.0  # at most one store write a second
 STORE_DEADLINE = 2.0  # the longest any store call of the watchdog may take
 MAX_LISTED = 32  # ranks listed one by one in the hang report
