@@ -14,7 +14,8 @@ invocation so drift on the machine hits both alike. What is compared:
 - on in the service, as in every job: the per-step RNG reseed, the LR
   schedule (LambdaLR, cosine; the bare keeps its lr: the same work per step),
   the non-finite guard (``train.nonfinite: stop``), the preemption agreement,
-  the plan sampler and the checked collate.
+  the plan sampler, the checked collate, and the hang watchdog (the loop's
+  progress marks, and its thread publishing once a second).
 
 Prints each loop's median step time on two clocks, wall and CPU
 (``time.process_time`` of rank 0, all its threads), and the throughput ratio
@@ -132,12 +133,14 @@ def _time_service_epochs(job, epochs: int) -> list[tuple[float, float]]:  # noqa
     from service.loop.train import _Window, train_epoch
 
     state, window, times = LoopState(), _Window(job.device, job.world_sum), []
+    job.watchdog.start()  # as train() does
     for epoch in range(epochs):
         state.epoch, state.cursor = epoch, 0
         dist.barrier()
         start, cpu, steps = time.perf_counter(), time.process_time(), job.plan.steps_in_epoch(0)
         train_epoch(job, state, window, [])
         times.append(((time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps))
+    job.watchdog.stop()
     job.roles.close()
     return times
 

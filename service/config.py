@@ -11,6 +11,7 @@ caught too). Reading the file and the overrides, bounded, is
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -77,6 +78,31 @@ def _port(value: Any) -> int | str:
 
 
 Port = Annotated[int | Literal["auto"], PlainValidator(_port)]
+
+HANG_TIMEOUT_MIN = 3  # the watchdog's heartbeat is 1 s: a shorter timeout could not tell stopped from waiting
+
+
+def _hang_timeout(value: Any) -> float | str:
+    """``auto``, or seconds from :data:`HANG_TIMEOUT_MIN` to :data:`TIMEOUT_MAX`: one error naming the fix."""
+    if value == "auto":
+        return "auto"
+    fix = (f"must be auto (10 x the p99 optimizer-step time, at least 30 s) or a number of seconds from "
+           f"{HANG_TIMEOUT_MIN} to {TIMEOUT_MAX}, e.g. 120")  # fmt: skip
+    if isinstance(value, str):  # YAML reads 1e400, Infinity and 1e9 as strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(fix) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(fix)
+    if not math.isfinite(value):
+        raise ValueError(_NOT_FINITE)
+    if not HANG_TIMEOUT_MIN <= value <= TIMEOUT_MAX:
+        raise ValueError(fix)
+    return float(value)
+
+
+HangTimeout = Annotated[float | Literal["auto"], PlainValidator(_hang_timeout)]
 
 
 def _within(low: int, high: int, fix: str) -> BeforeValidator:
@@ -221,6 +247,12 @@ class DistConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_seconds: Annotated[int, _within(1, TIMEOUT_MAX, "at most 7 days; the default is 300 seconds")] = Field(
         300, description="Process-group timeout, 1 to 604800 (7 days)."
+    )
+    hang_timeout_seconds: HangTimeout = Field(
+        "auto",
+        description="No progress on a rank for this long is a hang: the watchdog names the rank behind and exits "
+        "so torchrun restarts the world. auto: max(10 x the p99 step time, 30 s); dist.timeout_seconds until a "
+        "step is measured.",
     )
 
 

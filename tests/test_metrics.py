@@ -48,6 +48,8 @@ FAMILIES = {
     "ddp_train_checkpoint_save_seconds": "histogram",
     "ddp_train_checkpoint_last_success_timestamp_seconds": "gauge",
     "ddp_train_checkpoint_failures": "counter",
+    "ddp_train_hangs": "counter",
+    "ddp_train_hang_behind_rank": "gauge",
     "ddp_train_restarts": "gauge",
     "ddp_train_world_size": "gauge",
     "ddp_train_build": "info",

@@ -203,6 +203,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
 
     from service.loop.nonfinite import NonfiniteGuard
     from service.loop.precision import Precision
+    from service.loop.progress import Progress
     from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
     from service.state.snapshot import Snapshots
@@ -224,6 +225,7 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
         nonfinite=NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path, (), 3),
         optimizer=torch.optim.SGD(params, lr=0.1), scheduler=types.SimpleNamespace(step=lambda: None),
         roles=types.SimpleNamespace(snapshots=Snapshots()),
+        progress=Progress(),
     )  # fmt: skip
     for number, step in enumerate(DataPlan(12, 0, 4, 1, 0, 1).steps(0, 0), 1):
         optimizer_step(

@@ -18,9 +18,11 @@ from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import LRSchedule
 from service.loop.parallel import unwrap
 from service.loop.precision import Precision
+from service.loop.progress import Progress
 from service.loop.roles import Roles
 from service.loop.sampler import DataPlan, PlanSampler
 from service.loop.steps import TaskStep
+from service.loop.watchdog import Watchdog
 from service.state.checkpoint_io import FORMAT
 from service.state.preemption import Preemption
 from service.state.resume import Resumed, rng_state
@@ -76,6 +78,8 @@ class Job:
     precision: Precision
     config_json: dict[str, Any]  # the config as a checkpoint holds it, and its hash: made once, saved at every step
     config_digest: str
+    progress: Progress  # where the main thread stands: the loop marks it, the watchdog reads it
+    watchdog: Watchdog
 
     @property
     def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:

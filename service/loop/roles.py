@@ -13,6 +13,8 @@ from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.resume import Resumed
 from service.state.snapshot import Area, Snapshots, build_snapshots
 from service.telemetry.goodput import GoodputSink, NoGoodput, StartTimes
+from service.telemetry.hangs import FILE as HANGS_FILE
+from service.telemetry.hangs import tally
 from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
@@ -73,7 +75,8 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     if base_port:
         port = 0 if base_port == "auto" else int(base_port) + world.local_rank
         prometheus = PrometheusSink(config.metrics.host, port, world, "cuda" if device_is_cuda else "cpu",
-                                    backend, base_port, config.metrics.allreduce_timing)  # fmt: skip
+                                    backend, base_port, config.metrics.allreduce_timing,
+                                    tally(run_dir / HANGS_FILE, world.rank))  # fmt: skip
         sinks.append(prometheus)
         goodput.register(prometheus.registry, world.run_id or "none")
     sink = FanOutSink(sinks)

@@ -21,18 +21,21 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from service.config import JobConfig, TrainConfig
+from service.config import JobConfig
 from service.loop.batches import checked_collate, to_device
 from service.loop.data import eval_loader, train_loader
+from service.loop.geometry import batch_geometry, plan_total_steps
 from service.loop.job import Job, LoopState, checkpoint_state, make_summary
 from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import build_optimizer, build_schedule, make_optimizer
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
 from service.loop.precision import Precision
+from service.loop.progress import CHECKPOINT, DATA, EVAL, FORWARD_BACKWARD, OPTIMIZER, Progress
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_lambda
 from service.loop.steps import TaskInterfaceError, TaskStep
+from service.loop.watchdog import Watchdog
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
 from service.state.resume import (
@@ -52,35 +55,6 @@ from service.world.distributed import DistContext, any_rank, sum_across
 from service.world.env import WorldInfo
 
 log = logging.getLogger(__name__)
-
-
-def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
-    """(samples per optimizer step over the world, micro-steps per rank), decided at every (re)start."""
-    if train.global_batch_size is None:
-        return train.batch_size * world_size * train.grad_accum, train.grad_accum
-    per_micro_step = world_size * train.batch_size
-    if train.global_batch_size % per_micro_step:
-        raise ValueError(
-            f"train.global_batch_size={train.global_batch_size} is not a multiple of world_size {world_size} x "
-            f"train.batch_size {train.batch_size} = {per_micro_step}, so no whole number of micro-steps makes "
-            "that global batch. Pick a global batch that is a multiple of it, or a batch_size that divides "
-            f"global_batch_size / world_size for every world size this job may run at."
-        )
-    return train.global_batch_size, train.global_batch_size // per_micro_step
-
-
-def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> int:
-    """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it."""
-    remaining = 0
-    if state.epoch < train.epochs:
-        remaining = plan.steps_in_epoch(state.cursor) + (train.epochs - state.epoch - 1) * plan.steps_in_epoch(0)
-    total = state.global_step + remaining
-    if train.max_steps and train.max_steps > total:
-        log.warning("train.max_steps=%d, but train.epochs=%d allow only %d optimizer steps (%d a full epoch at "
-                    "this global batch of %d): training stops at step %d. Raise train.epochs to reach "
-                    "train.max_steps.", train.max_steps, train.epochs, total, plan.steps_in_epoch(0),
-                    plan.global_batch, total)  # fmt: skip
-    return min(total, train.max_steps) if train.max_steps else total
 
 
 def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None,
@@ -127,6 +101,20 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, precision.autocast)
     eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
     loader, sampler = train_loader(task.train_set, plan, config.data, config.seed, collate)
+    roles = build_roles(
+        config,
+        world,
+        total_steps,
+        digest,
+        dist_ctx.is_cuda,
+        resumed,
+        lineage,
+        dist_ctx.backend,
+        terminal,
+        area,
+        StartTimes.of(dist_ctx.began, dist_ctx.up, restore_seconds, state.global_step),
+    )
+    progress = Progress(state.global_step)
     job = Job(
         config=config,
         world=world,
@@ -142,19 +130,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         sampler=sampler,
         loader=loader,
         eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world, collate),
-        roles=build_roles(
-            config,
-            world,
-            total_steps,
-            digest,
-            dist_ctx.is_cuda,
-            resumed,
-            lineage,
-            dist_ctx.backend,
-            terminal,
-            area,
-            StartTimes.of(dist_ctx.began, dist_ctx.up, restore_seconds, state.global_step),
-        ),
+        roles=roles,
         preemption=preemption,
         nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
         barrier=lambda: dist.barrier(group=dist_ctx.control),
@@ -165,6 +141,8 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         precision=precision,
         config_json=config.model_dump(mode="json"),
         config_digest=digest,
+        progress=progress,
+        watchdog=Watchdog.for_job(config, world, dist_ctx, progress, preemption, roles.sink),
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.snapshots.preflight(unwrap(model))  # each node's local rank 0: room in shared memory, or none kept
@@ -195,9 +173,11 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
     DDP averages is the mean over every sample of the global step. Returns the
     step's loss (a detached tensor: no host sync here).
     """
-    model, count, loss_of = job.model, len(micro_batches), job.step.loss
+    model, count, loss_of, progress = job.model, len(micro_batches), job.step.loss, job.progress
     loss_sum = torch.zeros((), device=job.device)
+    progress.phase = FORWARD_BACKWARD
     for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
+        progress.tick += 1
         batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
         sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
@@ -208,6 +188,7 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
+    progress.phase = OPTIMIZER
     job.roles.snapshots.before_update()  # the snapshot of the last step has copied the weights
     job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
@@ -271,6 +252,8 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
     """
     if state.global_step >= job.total_steps:
         return "steps"
+    progress = job.progress
+    progress.phase = DATA
     job.model.train()
     job.sampler.position(state.epoch, state.cursor)
     batches = iter(job.loader)
@@ -278,11 +261,13 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
         job.config.seed  # fmt: skip
     for plan in job.plan.steps(state.epoch, state.cursor):
         started = time.perf_counter()  # host timers only: no device sync for the metrics
+        progress.phase = DATA
         micro = [next(batches) for _ in plan.micro]
         fetched = time.perf_counter()
         seed_step(seed, state.global_step, job.world.rank, job.device)
         loss = optimizer_step(job, plan, micro, state.global_step + 1)
         state.global_step += 1
+        progress.stepped(state.global_step, time.perf_counter() - started)
         job.nonfinite.check(state.global_step)
         state.cursor = plan.end
         state.samples_seen += plan.size
@@ -302,6 +287,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             job.model.train()
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
+        progress.phase = CHECKPOINT
         saving = time.perf_counter()
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state))
@@ -321,10 +307,12 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     names, started = job.eval_names, time.perf_counter()
     if not names:
         return None
-    model = unwrap(job.model)
+    model, progress = unwrap(job.model), job.progress
+    progress.phase = EVAL
     model.eval()
     totals = torch.zeros(len(names) + 1, device=job.device, dtype=torch.float64)
     for batch in job.eval_loader:
+        progress.tick += 1
         sums, count = job.step.eval_values(model, to_device(batch, job.device), job.autocast)
         if list(sums) != names:
             raise TaskInterfaceError(
@@ -346,6 +334,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
 def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
     """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
     if report is not None:
+        job.progress.phase = CHECKPOINT
         job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
 
 
@@ -357,6 +346,7 @@ def train(job: Job) -> dict[str, Any]:
     evals: list[EvalReport | None] = []
     every_epoch = job.config.train.eval_every is None
     start_samples = state.samples_seen
+    job.watchdog.start()
     try:
         while True:
             if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
@@ -377,6 +367,7 @@ def train(job: Job) -> dict[str, Any]:
                 keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
+        job.progress.phase = CHECKPOINT
         saving = time.perf_counter()
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
         job.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
@@ -392,6 +383,8 @@ def train(job: Job) -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
             job.roles.summary.write(failed)
         raise
+    finally:
+        job.watchdog.stop()
     seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
     last = evals[-1] if evals else None
     summary = make_summary(job, state, last, seconds, trained, status, error=job.preemption.lock_lost)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -102,6 +103,12 @@ class Preemption:
 
     The handlers go in when the object is made, before any process group: the
     agreement is :func:`alone` until :meth:`connect` makes it the collective.
+
+    A Python handler runs only when the main thread returns to the
+    interpreter, which a rank blocked inside a collective whose peer is gone
+    never does. So the object also gives the signal's C-level handler a wakeup
+    fd (:func:`signal.set_wakeup_fd`, made in the main thread): any thread can
+    ask :meth:`signalled_at` when a signal came, while the main thread is stuck.
     """
 
     def __init__(
@@ -115,12 +122,23 @@ class Preemption:
         self.interval = interval
         self.clock = clock
         self.received: str | None = None
+        self.received_at: float | None = None  # ``clock()`` when a signal came (the handler or the wakeup fd)
         self.lock_lost: str | None = None
         self._every = self._countdown = 1
         self._last_check = clock()
+        self._numbers = {int(sig) for sig in signals}
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        self._wakeup: tuple[int, int] | None = os.pipe()
+        for fd in self._wakeup:
+            os.set_blocking(fd, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: the handler's flag alone
+            self._close_wakeup()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is None:
+            self.received_at = self.clock()
         if self.received is None:
             self.received = signal.Signals(signum).name
             log.warning("%s received: stopping at the next optimizer-step boundary, after a checkpoint",
@@ -157,7 +175,25 @@ class Preemption:
         self._countdown = self._every
         return STOPS[stop]
 
+    def signalled_at(self) -> float | None:
+        """``clock()`` when the first of the signals reached this process; any thread may ask, at any time."""
+        if self.received_at is None and self._wakeup is not None:
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing came
+                if self._numbers.intersection(os.read(self._wakeup[0], 4096)) and self.received_at is None:
+                    self.received_at = self.clock()
+        return self.received_at
+
+    def _close_wakeup(self) -> None:
+        if self._wakeup is not None:
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
     def close(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._wakeup is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._previous_wakeup)
+            self._close_wakeup()

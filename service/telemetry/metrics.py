@@ -18,6 +18,7 @@ from typing import Any
 
 from service.telemetry.commtiming import AllreduceTimer, WaitClock
 from service.telemetry.commtiming import instrument as instrument_collectives
+from service.telemetry.hangs import NO_HANGS, HangTally
 
 log = logging.getLogger("service.loop.train")
 
@@ -97,6 +98,9 @@ class MetricsSink:
     def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         """Called after each evaluation; ``seconds``: its wall time (a host timer)."""
 
+    def on_hang(self, behind_rank: int) -> None:
+        """Called by the hang watchdog's thread, just before the process exits; ``behind_rank``: -1 if unknown."""
+
     def close(self) -> None:
         """Release files, threads and ports."""
 
@@ -133,6 +137,10 @@ class FanOutSink(MetricsSink):
     def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         for sink in self.sinks:
             sink.on_eval(report, seconds)
+
+    def on_hang(self, behind_rank: int) -> None:
+        for sink in self.sinks:
+            sink.on_hang(behind_rank)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -234,7 +242,9 @@ class PrometheusSink(MetricsSink):
     """
 
     def __init__(self, host: str, port: int, world: Any, device: str = "cpu", backend: str = "none",
-                 base_port: int | str | None = None, allreduce_timing: bool = True) -> None:  # fmt: skip
+                 base_port: int | str | None = None, allreduce_timing: bool = True,
+                 hangs: HangTally = NO_HANGS) -> None:  # fmt: skip
+        """``hangs``: what this rank's earlier starts found (``run_dir/hangs.jsonl``), counted on from there."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
         from service import __version__
@@ -270,6 +280,12 @@ class PrometheusSink(MetricsSink):
         self.checkpoint_last = metric(Gauge, "checkpoint_last_success_timestamp_seconds",
                                       "Unix time of the last successful checkpoint save; 0 before any.")  # fmt: skip
         self.checkpoint_failures = metric(Counter, "checkpoint_failures", "Checkpoint saves that failed.")
+        self.hangs = metric(Counter, "hangs", "Hangs this rank's watchdog found in this run_dir (each restarts the "
+                            "world), counted across restarts from run_dir/hangs.jsonl.")  # fmt: skip
+        self.hangs.inc(hangs.count)
+        self.behind_rank = metric(Gauge, "hang_behind_rank", "The rank this rank's watchdog last named as behind "
+                                  "in a hang; -1 before any.")  # fmt: skip
+        self.behind_rank.set(hangs.behind_rank)
         metric(Gauge, "restarts", "Restarts of the job so far (TORCHELASTIC_RESTART_COUNT).").set(world.restart_count)
         metric(Gauge, "world_size", "Processes in the job's current world.").set(world.world_size)
         import torch
@@ -336,6 +352,10 @@ class PrometheusSink(MetricsSink):
         self.eval_metric.set(report.metric)
         for name, value in report.metrics.items():
             self.eval_value.labels(**self.labels, metric=name).set(value)
+
+    def on_hang(self, behind_rank: int) -> None:
+        self.hangs.inc()
+        self.behind_rank.set(behind_rank)
 
     def on_checkpoint(self, seconds: float, ok: bool) -> None:
         if ok:

@@ -30,6 +30,10 @@ class DistContext:
     ``control`` carries the small host-side collectives (the preemption flag,
     the resume agreement, checkpoint bytes): a gloo group of its own, so they
     never touch the GPU stream nor queue behind DDP's gradient all-reduces.
+
+    ``store``: the process group's store (:func:`attempt_store`), which the
+    hang watchdog clones for its own connection; ``store_host``: who serves it,
+    for the watchdog's message when it stops answering.
     """
 
     backend: str
@@ -37,6 +41,8 @@ class DistContext:
     control: Any = None
     began: float | None = None  # Unix times: the process group's set-up entered (it waits for every peer) ...
     up: float | None = None  # ... and done (the goodput ledger's rendezvous share of this worker)
+    store: Any = None
+    store_host: str = "this process"
 
     @property
     def is_cuda(self) -> bool:
@@ -85,6 +91,13 @@ def store_namespace(world: WorldInfo) -> str:
     return f"{STORE_PREFIX}/"
 
 
+def store_host(world: WorldInfo) -> str:
+    """Who serves :func:`attempt_store`'s store: rank 0 (a store of its own each round) or the torchrun agent."""
+    if world.world_size == 1:
+        return "this process"
+    return "the torchrun agent" if world.use_agent_store else "rank 0"
+
+
 def attempt_store(world: WorldInfo, timeout: timedelta) -> dist.Store:
     """The process group's store: the agent's (shared) one, or one that rank 0 hosts."""
     if world.world_size == 1:
@@ -109,9 +122,10 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_seconds)
+    store = attempt_store(world, timeout)
     dist.init_process_group(
         backend=backend,
-        store=attempt_store(world, timeout),
+        store=store,
         rank=world.rank,
         world_size=world.world_size,
         timeout=timeout,
@@ -119,7 +133,15 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
     control = dist.new_group(backend="gloo")
     log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
              backend, device, world.world_size)  # fmt: skip
-    return DistContext(backend=backend, device=device, control=control, began=began, up=time.time())
+    return DistContext(
+        backend=backend,
+        device=device,
+        control=control,
+        began=began,
+        up=time.time(),
+        store=store,
+        store_host=store_host(world),
+    )
 
 
 def bytes_to_tensor(payload: bytes, length: int | None = None) -> torch.Tensor:

@@ -1,0 +1,273 @@
+"""The hang watchdog: a thread per worker over its :class:`~service.loop.progress.Progress` record.
+
+Once a second the thread publishes the record, with the time it last changed
+and the time it was sent (the heartbeat that tells a stopped rank from a
+waiting one), to the process group's store under a prefix of its own, through
+a connection of its own (``store.clone()``). Every store call runs in a
+helper thread and is waited for :data:`STORE_DEADLINE` seconds at most, so a
+stopped store host (rank 0 under the etcd3 rendezvous, the agent under
+``--standalone``) cannot hang the watchdog. It acts on two triggers:
+
+- **A hang**: no progress on this rank for the hang timeout
+  (:func:`~service.loop.progress.hang_timeout`), a checkpoint being saved
+  anywhere excepted. It reads every rank's record, logs them at ERROR naming
+  the rank(s) behind, dumps this process's Python stacks to stderr, appends a
+  line to ``run_dir/hangs.jsonl`` (the next start's Prometheus sink exports
+  it), and leaves with ``os._exit(1)``: torchrun restarts the world. A
+  SIGSTOPped rank cannot run its own watchdog; the others find it silent.
+- **A stuck teardown**: a stop signal (SIGTERM, SIGUSR1) came, the main thread
+  has made no progress since for the grace
+  (:func:`~service.loop.progress.teardown_grace`; not while it evaluates or
+  saves), and a peer is silent or the store does not answer: the collective
+  it waits in will never end. It logs one line and leaves at once instead of
+  waiting out torchrun's ``--shutdown-timeout``. With every peer alive, the
+  signal still stops the loop at the next step boundary, after a save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from service.loop.progress import CHECKPOINT, EVAL, ORDER, Progress, hang_timeout, teardown_grace
+from service.state.preemption import Preemption
+from service.telemetry.hangs import append_hang
+from service.telemetry.metrics import MetricsSink
+
+log = logging.getLogger(__name__)
+
+PREFIX = "watchdog/"
+POLL = 0.5  # seconds between looks at the record
+PUBLISH_EVERY = 1.0  # at most one store write a second
+STORE_DEADLINE = 2.0  # the longest any store call of the watchdog may take
+MAX_LISTED = 32  # ranks listed one by one in the hang report
+
+Record = dict[str, Any]
+
+
+class StoreCaller:
+    """Store calls in a helper thread, each waited for ``deadline`` seconds; none while one is stuck."""
+
+    def __init__(self, store: Any, deadline: float = STORE_DEADLINE) -> None:
+        self.store = store
+        self.deadline = deadline
+        self._stuck: threading.Thread | None = None
+
+    def call(self, function: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """(True, the result), or (False, None) when the store failed or did not answer in time."""
+        if self._stuck is not None and self._stuck.is_alive():
+            return False, None
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = function(self.store)
+            except Exception as exc:  # a refused or closed connection: no answer either
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="ddp-watchdog-store", daemon=True)
+        thread.start()
+        thread.join(self.deadline)
+        if thread.is_alive():
+            self._stuck = thread
+            return False, None
+        self._stuck = None
+        return ("value" in box), box.get("value")
+
+
+def parse_record(raw: bytes) -> Record | None:
+    """A peer's record from the store, checked; None if it is not one."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("phase") not in ORDER:
+        return None
+    numbers = [record.get(key) for key in ("step", "tick", "changed", "heard")]
+    if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+           for value in numbers):  # fmt: skip
+        return None
+    return record
+
+
+def silent_ranks(records: Mapping[int, Record | None], now: float, silent_after: float) -> list[int]:
+    """The ranks never heard from, or not for ``silent_after`` seconds."""
+    return sorted(rank for rank, record in records.items() if record is None or now - record["heard"] > silent_after)
+
+
+def behind_ranks(records: Mapping[int, Record | None], now: float, silent_after: float) -> list[int]:
+    """The ranks holding the world up: the silent ones (:func:`silent_ranks`), else those furthest behind by
+    (step, phase)."""
+    silent = silent_ranks(records, now, silent_after)
+    if silent:
+        return sorted(silent)
+    keys = {rank: (record["step"], ORDER[record["phase"]]) for rank, record in records.items() if record}
+    if not keys:
+        return []
+    low = min(keys.values())
+    return sorted(rank for rank, key in keys.items() if key == low)
+
+
+def describe(rank: int, record: Record | None, now: float, silent_after: float) -> str:
+    if record is None:
+        return f"rank {rank}: never heard from"
+    text = (f"rank {rank}: {record['step']} steps done, in {record['phase']}, "
+            f"last progress {now - record['changed']:.1f} s ago")  # fmt: skip
+    if now - record["heard"] > silent_after:
+        text += f", silent for {now - record['heard']:.1f} s"
+    return text
+
+
+class Watchdog:
+    """This rank's watchdog thread; :meth:`start` when training starts, :meth:`stop` when it ends.
+
+    ``setting``: ``dist.hang_timeout_seconds``; ``startup_seconds``: ``dist.timeout_seconds``;
+    ``hangs_path``: ``run_dir/hangs.jsonl``; ``leave``: ``os._exit`` (a test passes its own).
+    """
+
+    def __init__(self, progress: Progress, store: Any, rank: int, world_size: int, store_host: str,
+                 setting: float | str, startup_seconds: float, preemption: Preemption, sink: MetricsSink,
+                 hangs_path: Path, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, leave: Callable[[int], Any] = os._exit) -> None:  # fmt: skip
+        self.progress = progress
+        self.store = StoreCaller(store)
+        self.rank, self.world_size, self.store_host = rank, world_size, store_host
+        self.setting, self.startup_seconds = setting, startup_seconds
+        self.preemption, self.sink, self.hangs_path = preemption, sink, hangs_path
+        self.clock, self.wall, self.leave = clock, wall, leave
+        self._last = progress.snapshot()
+        self._changed, self._changed_wall = clock(), wall()
+        self._published = self._peers_read = -math.inf
+        self._waiting_for_save = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_job(cls, config: Any, world: Any, dist_ctx: Any, progress: Progress, preemption: Preemption,
+                sink: MetricsSink) -> Watchdog:  # fmt: skip
+        """The watchdog of one start, on a clone of the process group's store (its own connection)."""
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(PREFIX, dist_ctx.store.clone())
+        return cls(progress, store, world.rank, world.world_size, dist_ctx.store_host,
+                   config.dist.hang_timeout_seconds, config.dist.timeout_seconds, preemption, sink,
+                   Path(config.run_dir) / "hangs.jsonl")  # fmt: skip
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ddp-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(STORE_DEADLINE + 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL):
+            self.check()
+
+    def silent_after(self, timeout: float) -> float:
+        """A peer not heard from for this long is silent: stopped, gone, or cut off."""
+        return max(2.5 * PUBLISH_EVERY, timeout / 2)
+
+    def check(self) -> None:
+        """One look: publish the record when due, then the two triggers."""
+        now, wall = self.clock(), self.wall()
+        state = self.progress.snapshot()
+        if state != self._last:
+            self._last, self._changed, self._changed_wall = state, now, wall
+            self._waiting_for_save = False
+        if now - self._published >= PUBLISH_EVERY:
+            self._published = now
+            self._publish(state, wall)
+        step, phase, _ = state
+        step_p99 = self.progress.p99()
+        timeout = hang_timeout(self.setting, step_p99, self.startup_seconds)
+        signalled = self.preemption.signalled_at()
+        if signalled is not None and phase not in (CHECKPOINT, EVAL):
+            quiet = now - max(self._changed, signalled)
+            if quiet > teardown_grace(step_p99) and now - self._peers_read >= PUBLISH_EVERY:
+                self._peers_read = now
+                records = self.read_records(state, wall)
+                silent = silent_ranks(records, wall, self.silent_after(teardown_grace(step_p99))) \
+                    if records is not None else []  # fmt: skip
+                if records is None or any(rank != self.rank for rank in silent):
+                    who = (f"{self.store_host}, which hosts the store, does not answer" if records is None
+                           else f"rank(s) {', '.join(map(str, silent))} silent")  # fmt: skip
+                    log.error("stuck after a stop signal %.1f s ago: in %s after step %d, no progress for %.1f s, "
+                              "%s; leaving now instead of waiting for torchrun's SIGKILL", now - signalled,
+                              phase, step, now - self._changed, who)  # fmt: skip
+                    self.leave(1)
+                    return
+        if phase == CHECKPOINT or now - self._changed < timeout:
+            return
+        self._on_stall(state, now, wall, timeout)
+
+    def _publish(self, state: tuple[int, str, int], wall: float) -> None:
+        step, phase, tick = state
+        record = json.dumps({"step": step, "phase": phase, "tick": tick, "changed": self._changed_wall,
+                             "heard": wall})  # fmt: skip
+        self.store.call(lambda store: store.set(str(self.rank), record))
+
+    def read_records(self, state: tuple[int, str, int], wall: float) -> dict[int, Record | None] | None:
+        """Every rank's record (this rank's live one), None where a rank never published; None if the store
+        did not answer."""
+
+        def read(store: Any) -> dict[int, bytes | None]:
+            keys = [str(rank) for rank in range(self.world_size)]
+            return {int(key): store.get(key) if store.check([key]) else None for key in keys}
+
+        answered, raw = self.store.call(read)
+        if not answered:
+            return None
+        records = {rank: parse_record(value) if value is not None else None for rank, value in raw.items()}
+        step, phase, tick = state
+        records[self.rank] = {"step": step, "phase": phase, "tick": tick, "changed": self._changed_wall,
+                              "heard": wall}  # fmt: skip
+        return records
+
+    def _on_stall(self, state: tuple[int, str, int], now: float, wall: float, timeout: float) -> None:
+        stalled = now - self._changed
+        records = self.read_records(state, wall)
+        silent_after = self.silent_after(timeout)
+        if records is not None:
+            saving = [rank for rank, record in records.items() if rank != self.rank and record
+                      and record["phase"] == CHECKPOINT and wall - record["heard"] <= silent_after]  # fmt: skip
+            if saving:  # a save in progress is progress: wait for it
+                if not self._waiting_for_save:
+                    self._waiting_for_save = True
+                    log.warning("no progress for %.1f s, but rank(s) %s are saving a checkpoint: waiting for it",
+                                stalled, ", ".join(map(str, saving)))  # fmt: skip
+                return
+            behind = behind_ranks(records, wall, silent_after)
+            ranks = [describe(rank, records[rank], wall, silent_after) for rank in sorted(records)[:MAX_LISTED]]
+            more = len(records) - MAX_LISTED
+            listing = "; ".join(ranks) + (f"; and {more} more" if more > 0 else "")
+            named = f"rank(s) {', '.join(map(str, behind))} behind" if behind else "no rank behind the others"
+        else:
+            behind = [0] if self.store_host == "rank 0" else []
+            listing = f"unknown: {self.store_host}, which hosts the store, did not answer within {STORE_DEADLINE:.0f} s"
+            named = "rank 0 behind" if behind else "no rank named"
+        step, phase, _ = state
+        log.error("hang: no progress on this rank for %.1f s (in %s after step %d; hang timeout %.1f s, "
+                  "dist.hang_timeout_seconds=%s): %s. Ranks: %s. This process's stacks follow on stderr; "
+                  "exiting so that torchrun restarts the world.", stalled, phase, step, timeout, self.setting,
+                  named, listing)  # fmt: skip
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(OSError):  # a full or gone run_dir must not keep a hung rank alive
+            append_hang(self.hangs_path, {"time": wall, "rank": self.rank, "behind": behind, "step": step,
+                                          "phase": phase, "stalled_seconds": round(stalled, 3),
+                                          "timeout_seconds": timeout})  # fmt: skip
+        with contextlib.suppress(Exception):
+            self.sink.on_hang(behind[0] if behind else -1)
+        self.leave(1)

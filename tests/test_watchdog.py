@@ -1,0 +1,281 @@
+"""The hang watchdog's pure parts and its thread's decisions, on a real store and a fake clock.
+
+The end-to-end cases (a SIGSTOPped rank under torchrun; a SIGTERM while stuck
+in a collective) are in ``tests/test_watchdog_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.config import ConfigError, load_config
+from service.loop.progress import (
+    AUTO_FLOOR,
+    CHECKPOINT,
+    DATA,
+    FORWARD_BACKWARD,
+    GRACE_FLOOR,
+    WINDOW,
+    Progress,
+    hang_timeout,
+    p99,
+    teardown_grace,
+)
+from service.loop.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks
+from service.state.preemption import Preemption
+from service.state.resume import config_hash
+from service.telemetry.hangs import append_hang, read_hangs, tally
+from service.telemetry.metrics import MetricsSink, PrometheusSink
+from service.world.env import WorldInfo
+
+seconds = st.floats(min_value=1e-6, max_value=1e5, allow_nan=False, allow_infinity=False)
+
+
+@given(seconds, seconds)
+def test_auto_hang_timeout_is_never_below_30_s_and_grows_with_the_p99(a, b):
+    low, high = sorted((a, b))
+    assert hang_timeout("auto", low, 300) >= AUTO_FLOOR
+    assert hang_timeout("auto", low, 300) <= hang_timeout("auto", high, 300)
+    assert hang_timeout("auto", high, 300) >= 10 * high
+    assert teardown_grace(low) >= GRACE_FLOOR and teardown_grace(low) <= teardown_grace(high)
+
+
+def test_hang_timeout_is_the_process_group_timeout_until_a_step_is_measured_then_the_explicit_value():
+    assert hang_timeout("auto", None, 300) == 300 and hang_timeout(7.0, None, 120) == 120
+    assert hang_timeout(7.0, 0.01, 300) == 7.0 and hang_timeout("auto", 0.01, 300) == AUTO_FLOOR
+    assert hang_timeout("auto", 5.0, 300) == 50.0
+
+
+def test_progress_keeps_the_last_steps_for_the_p99():
+    progress = Progress(step=4)
+    assert progress.p99() is None and progress.snapshot() == (4, "startup", 0)
+    for step in range(WINDOW + 50):
+        progress.stepped(5 + step, 9.0 if step == 0 else 0.1 * (1 + step % 3))
+    assert progress.step == 4 + WINDOW + 50 and progress.phase == "boundary"
+    assert progress.p99() == pytest.approx(0.3)  # the 9 s step left the window
+    assert p99([1.0] * 99 + [50.0]) == 1.0 and p99([1.0] * 98 + [50.0] * 2) == 50.0 and p99([2.0]) == 2.0
+
+
+def test_hang_timeout_config_key_is_checked_and_mutable():
+    assert load_config(None, []).dist.hang_timeout_seconds == "auto"
+    assert load_config(None, ["dist.hang_timeout_seconds=12.5"]).dist.hang_timeout_seconds == 12.5
+    for bad in ("2", "-1", "soon", "true"):
+        with pytest.raises(ConfigError, match=r"dist.hang_timeout_seconds: must be auto .* from 3 to 604800"):
+            load_config(None, [f"dist.hang_timeout_seconds={bad}"])
+    # resume.MUTABLE's "dist": a changed hang timeout resumes the same run
+    assert config_hash(load_config(None, ["dist.hang_timeout_seconds=9"])) == config_hash(load_config(None, []))
+
+
+def test_hangs_reader_skips_a_torn_last_line_and_foreign_lines(tmp_path, caplog):
+    path = tmp_path / "hangs.jsonl"
+    assert read_hangs(path) == [] and tally(path, 0).count == 0 and tally(path, 0).behind_rank == -1
+    append_hang(path, {"rank": 0, "behind": [1], "step": 12})
+    append_hang(path, {"rank": 1, "behind": [0], "step": 13})
+    with open(path, "a") as file:
+        file.write('{"rank": 0, "behind": "x"}\nnot json\n')
+    append_hang(path, {"rank": 0, "behind": [3, 1], "step": 20})
+    with open(path, "a") as file:
+        file.write('{"rank": 0, "behind": [2], "st')  # a crash mid-write
+    with caplog.at_level(logging.WARNING):
+        records = read_hangs(path)
+    assert [(record["rank"], record["step"]) for record in records] == [(0, 12), (1, 13), (0, 20)]
+    assert caplog.text.count("is not a hang record") == 2
+    assert tally(path, 0).count == 2 and tally(path, 0).behind_rank == 3
+    assert tally(path, 1).count == 1 and tally(path, 1).behind_rank == 0
+
+
+def test_the_next_starts_prometheus_sink_exports_the_hangs_of_earlier_starts(tmp_path):
+    path = tmp_path / "hangs.jsonl"
+    for behind in ([1], [2]):
+        append_hang(path, {"rank": 0, "behind": behind})
+    world = WorldInfo("torchrun", rank=0, local_rank=0, world_size=3, local_world_size=3)
+    sink = PrometheusSink("127.0.0.1", 0, world, hangs=tally(path, 0))
+    try:
+        labels = {"rank": "0", "local_rank": "0", "node_rank": "0", "run_id": "none"}
+        value = lambda name: sink.registry.get_sample_value(name, labels)  # noqa: E731
+        assert (value("ddp_train_hangs_total"), value("ddp_train_hang_behind_rank")) == (2.0, 2.0)
+        sink.on_hang(1)
+        assert (value("ddp_train_hangs_total"), value("ddp_train_hang_behind_rank")) == (3.0, 1.0)
+    finally:
+        sink.close()
+
+
+def test_behind_ranks_prefers_the_silent_then_the_lowest_step_and_phase():
+    def record(step, phase, heard=100.0):
+        return {"step": step, "phase": phase, "tick": 0, "changed": 90.0, "heard": heard}
+
+    fresh = {0: record(12, FORWARD_BACKWARD), 1: record(12, DATA), 2: record(12, FORWARD_BACKWARD)}
+    assert behind_ranks(fresh, 100.5, 2.5) == [1]  # not in the collective the others wait in
+    assert behind_ranks({0: record(13, DATA), 1: record(12, "boundary")}, 100.5, 2.5) == [1]
+    stopped = {0: record(12, FORWARD_BACKWARD), 1: record(12, FORWARD_BACKWARD, heard=95.0), 2: None}
+    assert behind_ranks(stopped, 100.5, 2.5) == [1, 2]  # silent, or never heard from
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder(MetricsSink):
+    def __init__(self) -> None:
+        self.hangs: list[int] = []
+
+    def on_hang(self, behind_rank: int) -> None:
+        self.hangs.append(behind_rank)
+
+
+def make_watchdog(tmp_path: Path, store, preemption: Preemption | None = None, rank: int = 0, setting=5.0,
+                  store_host: str = "the torchrun agent"):  # fmt: skip
+    clock, left, sink = Clock(), [], Recorder()
+    progress = Progress(step=10)
+    preemption = preemption or Preemption(signals=())
+    watchdog = Watchdog(progress, store, rank, 2, store_host, setting, 300, preemption, sink,
+                        tmp_path / "hangs.jsonl", clock=clock, wall=clock, leave=left.append)  # fmt: skip
+    return watchdog, progress, clock, left, sink
+
+
+def step(progress: Progress, clock: Clock, steps: int = 3) -> None:
+    for _ in range(steps):
+        clock.now += 0.1
+        progress.phase = DATA
+        progress.tick += 1
+        progress.stepped(progress.step + 1, 0.1)
+
+
+def publish_peer(store, rank: int, step_done: int, phase: str, heard: float) -> None:
+    record = {"step": step_done, "phase": phase, "tick": 3, "changed": heard, "heard": heard}
+    store.set(str(rank), json.dumps(record))
+
+
+def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(tmp_path, capfd, caplog):
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store)
+    watchdog.check()
+    assert left == [] and json.loads(store.get("0"))["step"] == 10  # published at once
+    step(progress, clock)
+    progress.phase = FORWARD_BACKWARD  # waits in step 14's all-reduce
+    watchdog.check()
+    publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)  # then rank 1 is stopped: silent from here
+    clock.now += 4.9
+    watchdog.check()
+    assert left == []  # 4.9 s < 5 s
+    clock.now += 0.2
+    with caplog.at_level(logging.ERROR):
+        watchdog.check()
+    assert left == [1] and sink.hangs == [1]
+    assert "rank(s) 1 behind" in caplog.text and "rank 1: 13 steps done, in forward_backward" in caplog.text
+    assert "silent for 5.1 s" in caplog.text
+    assert "most recent call first" in capfd.readouterr().err  # faulthandler's dump of this process's threads
+    [record] = read_hangs(tmp_path / "hangs.jsonl")
+    assert (record["rank"], record["behind"], record["step"], record["phase"]) == (0, [1], 13, FORWARD_BACKWARD)
+
+
+def test_a_peer_saving_a_checkpoint_is_progress(tmp_path, caplog):
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, rank=1)
+    step(progress, clock)
+    watchdog.check()
+    for _ in range(40):  # 20 s of a slow save on rank 0, its heartbeat fresh
+        clock.now += 0.5
+        publish_peer(store, 0, 13, CHECKPOINT, heard=clock.now)
+        watchdog.check()
+    assert left == [] and caplog.text.count("saving a checkpoint") == 1
+    progress.phase = CHECKPOINT  # and this rank's own save is no hang either
+    watchdog.check()
+    clock.now += 60
+    watchdog.check()
+    assert left == []
+
+
+def test_a_stop_signal_while_stuck_with_a_silent_peer_leaves_after_the_grace_and_not_while_peers_answer(tmp_path):
+    for peer_alive in (True, False):
+        store = dist.PrefixStore(PREFIX, dist.HashStore())
+        preemption = Preemption(signals=(), clock=Clock())
+        watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, preemption, setting="auto")
+        preemption.clock = clock
+        step(progress, clock)
+        progress.phase = FORWARD_BACKWARD
+        publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)
+        watchdog.check()
+        preemption.received_at = clock.now  # what the handler or the wakeup fd records
+        for _ in range(12):  # 6 s: past the 2 s grace, far below the 30 s hang timeout
+            clock.now += 0.5
+            if peer_alive:
+                publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)
+            watchdog.check()
+        assert left[:1] == ([] if peer_alive else [1])
+
+
+def test_the_stop_signal_is_seen_from_another_thread_through_the_wakeup_fd():
+    preemption = Preemption()
+    try:
+        seen: list[float | None] = []
+        watcher = threading.Thread(target=lambda: seen.append(wait_for(preemption.signalled_at)))
+        watcher.start()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        watcher.join()
+        assert seen[0] is not None and preemption.received == "SIGUSR1"
+    finally:
+        preemption.close()
+
+
+def wait_for(function, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := function()) is not None:
+            return value
+        time.sleep(0.01)
+    return None
+
+
+STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_store_host_cannot_hang_the_watchdog_and_is_named(tmp_path, caplog):
+    """Under the etcd3 rendezvous rank 0 hosts the store: SIGSTOPped, it answers nothing, yet the watchdog's
+    publish and its hang report each return within the store deadline, naming rank 0."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        store = dist.PrefixStore(PREFIX, client.clone())
+        watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store, rank=1, store_host="rank 0")
+        step(progress, clock)
+        watchdog.check()
+        os.kill(host.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        for _ in range(12):
+            clock.now += 0.5
+            with caplog.at_level(logging.ERROR):
+                watchdog.check()
+        assert time.monotonic() - started < 3 * STORE_DEADLINE + 2
+        assert left[:1] == [1] and sink.hangs[:1] == [0]  # the fake leave returns: the checks go on
+        assert "rank 0, which hosts the store, did not answer" in caplog.text
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
