@@ -122,6 +122,7 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
                     rank: int, micro_steps: int) -> list[list[torch.Tensor]]:  # fmt: skip
     """The real optimizer_step on one rank's real plan for epoch 0, at fixed weights: each step's gradient."""
     from service.loop.precision import Precision
+    from service.loop.progress import Progress
     from service.loop.sampler import DataPlan
     from service.loop.steps import TaskStep
     from service.loop.train import optimizer_step
@@ -136,7 +137,7 @@ def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], g
                                 step=TaskStep(Task(model, data, data, loss_fn=nn.functional.mse_loss), "mse"),
                                 precision=Precision(None, torch.device("cpu"), None), nonfinite=recorder,
                                 optimizer=optimizer, scheduler=types.SimpleNamespace(step=lambda: None),
-                                roles=types.SimpleNamespace(snapshots=Snapshots()))  # fmt: skip
+                                roles=types.SimpleNamespace(snapshots=Snapshots()), progress=Progress())  # fmt: skip
     plan = DataPlan(len(inputs), 7, global_batch, world, rank, micro_steps)
     for number, step in enumerate(plan.steps(0, 0), 1):
         micro = [(inputs[list(part.indices)], targets[list(part.indices)]) for part in step.micro]

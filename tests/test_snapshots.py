@@ -263,3 +263,17 @@ def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
                    "train.max_steps=8", f"checkpoint.snapshot_dir={root}", expect_ok=False)  # fmt: skip
     assert done.returncode != 0 and read_summary(tmp_path / "run")["status"] == "failed", done.stdout[-3000:]
     assert list((root / f"ddp-service-{os.getuid()}").iterdir()) == []  # made, written to, and removed
+
+
+def test_a_state_the_loop_recorded_non_finite_is_never_snapshotted(tmp_path, caplog):
+    """The loop hands its device record of the first bad step along (no host read per step); the writer drops it."""
+    writer = SnapshotWriter(area_for(tmp_path), 1, HASH, "L", cuda=False)
+    writer.preflight(torch.nn.Linear(2, 2))
+    writer.capture(1, lambda: {**state_at(1), "first_bad": torch.tensor(-1)})
+    writer._inflight.exception()
+    writer.capture(2, lambda: {**state_at(2), "first_bad": torch.tensor(2)})
+    writer.capture(3, lambda: {**state_at(3), "first_bad": torch.tensor(2)})
+    writer.close()
+    assert [manifest.step for manifest, _ in scan(writer.area.path)] == [1] and not writer.enabled
+    assert "the gradient norm at step 2 was not finite" in caplog.text
+    assert "first_bad" not in load_state(next(scan(writer.area.path))[1], "snapshot")

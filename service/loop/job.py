@@ -124,12 +124,20 @@ def make_summary(job: Job, state: LoopState, report: EvalReport | None, seconds:
     }
 
 
-def checkpoint_state(job: Job, state: LoopState) -> dict[str, Any]:
-    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True."""
+def checkpoint_state(job: Job, state: LoopState, checked: bool = True) -> dict[str, Any]:
+    """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True.
+
+    ``checked=False``, for an in-memory snapshot at every step: the non-finite record is not read on the host
+    here (no device sync per step); it goes along as ``first_bad``, and the snapshot's writer drops a state
+    recorded bad, off the training thread.
+    """
     from service import __version__
 
-    job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
+    if checked:
+        job.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
+    extra = {} if checked else {"first_bad": job.nonfinite.first_bad}
     return {
+        **extra,
         "format": FORMAT,
         "model": unwrap(job.model).state_dict(),
         "optimizer": job.optimizer.state_dict(),

@@ -119,6 +119,11 @@ class NonfiniteGuard:
         if step == self.last_step or any(step % every == 0 for every in self.check_every):
             self.raise_if_bad()
 
+    @property
+    def first_bad(self) -> Tensor:
+        """The device record of the first non-finite step (-1: none yet), read without a host sync."""
+        return self._first_bad
+
     def raise_if_bad(self) -> None:
         if self.policy != "stop":
             return

@@ -290,7 +290,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
         progress.phase = CHECKPOINT
         saving = time.perf_counter()
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
-        roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state))
+        roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state, checked=False))
         roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
         if state.global_step >= job.total_steps:
             return "epoch" if state.cursor >= job.plan.length else "steps"

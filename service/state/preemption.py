@@ -194,6 +194,8 @@ class Preemption:
             signal.signal(sig, handler)
         self._previous = {}
         if self._wakeup is not None:
-            with contextlib.suppress(ValueError):
-                signal.set_wakeup_fd(self._previous_wakeup)
+            with contextlib.suppress(ValueError, OSError):  # another thread; or the fd before ours is closed by now
+                current = signal.set_wakeup_fd(-1)
+                # Ours: give back the one before it. Another object's (made after this one): leave it in place.
+                signal.set_wakeup_fd(self._previous_wakeup if current == self._wakeup[1] else current)
             self._close_wakeup()

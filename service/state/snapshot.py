@@ -240,6 +240,12 @@ class SnapshotWriter(Snapshots):
             self._copied.set()
         if self._ready is not None:
             self._ready.synchronize()
+        first_bad = staged.pop("first_bad", None)  # the loop's non-finite record, copied with the state
+        if first_bad is not None and int(first_bad) >= 0:
+            self.enabled = False  # never a snapshot of nan weights; the loop stops at its next check
+            log.warning("no snapshot of step %d or later: the gradient norm at step %d was not finite",
+                        global_step, int(first_bad))  # fmt: skip
+            return
         started = time.perf_counter()
         write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage)
         prune(self.area.path, KEEP, global_step)
