@@ -173,8 +173,9 @@ def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(
     progress.phase = FORWARD_BACKWARD  # waits in step 14's all-reduce
     watchdog.check()
     publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)  # then rank 1 is stopped: silent from here
-    clock.now += 4.9
-    watchdog.check()
+    for _ in range(49):  # 4.9 s of looks, a tenth of a second apart
+        clock.now += 0.1
+        watchdog.check()
     assert left == []  # 4.9 s < 5 s
     clock.now += 0.2
     with caplog.at_level(logging.ERROR):
@@ -185,6 +186,24 @@ def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(
     assert "most recent call first" in capfd.readouterr().err  # faulthandler's dump of this process's threads
     [record] = read_hangs(tmp_path / "hangs.jsonl")
     assert (record["rank"], record["behind"], record["step"], record["phase"]) == (0, [1], 13, FORWARD_BACKWARD)
+
+
+def test_a_watchdog_that_did_not_run_itself_does_not_call_its_own_stop_a_hang(tmp_path, caplog):
+    """This process SIGSTOPped past the timeout (CI: the stopped rank 1, continued, blamed its peers): the gap in its
+    own looks restarts its clock; a real stall after that is still found."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, rank=1)
+    step(progress, clock)
+    watchdog.check()
+    clock.now += 30  # stopped: no look for 30 s
+    watchdog.check()
+    assert left == [] and "did not run for a while" in caplog.text
+    looks = 0
+    while not left and looks < 100:  # then looks with no progress: a hang after the timeout (5 s) all the same
+        clock.now += 0.1
+        looks += 1
+        watchdog.check()
+    assert left == [1] and looks in (50, 51), looks
 
 
 def test_a_peer_saving_a_checkpoint_is_progress(tmp_path, caplog):

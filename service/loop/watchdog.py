@@ -51,6 +51,7 @@ POLL = 0.5  # seconds between looks at the record
 PUBLISH_EVERY = 1.0  # at most one store write a second
 STORE_DEADLINE = 2.0  # the longest any store call of the watchdog may take
 MAX_LISTED = 32  # ranks listed one by one in the hang report
+FROZEN_AFTER = 3.0  # a gap this long between two looks: this process itself did not run (SIGSTOP, starved)
 
 Record = dict[str, Any]
 
@@ -147,6 +148,7 @@ class Watchdog:
         self.clock, self.wall, self.leave = clock, wall, leave
         self._last = progress.snapshot()
         self._changed, self._changed_wall = clock(), wall()
+        self._looked = self._changed
         self._published = self._peers_read = -math.inf
         self._waiting_for_save = False
         self._stop = threading.Event()
@@ -183,7 +185,12 @@ class Watchdog:
     def check(self) -> None:
         """One look: publish the record when due, then the two triggers."""
         now, wall = self.clock(), self.wall()
+        frozen, self._looked = now - self._looked > FROZEN_AFTER, now
         state = self.progress.snapshot()
+        if frozen:  # this process was stopped or starved: its own stall is no evidence of a hang; count afresh
+            log.warning("the watchdog did not run for a while (this process was stopped or starved); its hang "
+                        "clock starts again")  # fmt: skip
+            self._changed, self._changed_wall = now, wall
         if state != self._last:
             self._last, self._changed, self._changed_wall = state, now, wall
             self._waiting_for_save = False
