@@ -266,6 +266,7 @@ def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_no
             f"the node lease was granted {granted} s; keep_alive_interval {options.keep_alive_interval} x "
             f"keep_alive_max_attempt {options.keep_alive_max_attempt} makes {ttl} s"
         )
+
         def written() -> list[tuple[bytes, int]]:  # this run's keys and their last writes (the etcd is shared)
             return sorted((kv.key, kv.mod_revision) for kv in client.list_prefix(a._mirror._prefix, "keys")[1])
 
