@@ -107,14 +107,14 @@ class Area:
         if self.path.exists() and self.problem() is not None:
             shutil.rmtree(self.path)
         self.path.mkdir(mode=0o700, exist_ok=True)
-        why = self.problem()
-        if why is not None and not why.startswith(f"{self.path} has no"):
-            raise OSError(why)
         marker = self.path / MARKER
         if not marker.exists():
             temporary = self.path / f".{MARKER}.{os.getpid()}.tmp"
             temporary.write_text(json.dumps(self.owner))
             os.replace(temporary, marker)
+        why = self.problem()
+        if why is not None:
+            raise OSError(why)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
