@@ -8,7 +8,9 @@ is closed, its lock released, its files and logs flushed; ``@record`` wrote
 torchrun's error file) and no child process or non-daemon thread is left,
 there is nothing for that teardown to finish, so the process leaves at once
 with the same exit code, after the traceback Python would print. Anything else
-(a live child or thread, no torch, ``SystemExit``) exits the normal way.
+(a live child or thread, no torch, ``SystemExit``) exits the normal way. The
+preemption handlers stay installed to the end: a SIGTERM after ``main`` (an
+agent stopping the group once a peer exited 75) only sets their flag.
 """
 
 import logging
@@ -34,7 +36,7 @@ def _leave(code: int) -> None:
 
 
 try:
-    code = main()
+    code = main(handlers_until_exit=True)
 except Exception:
     if not _nothing_left():
         raise

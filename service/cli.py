@@ -46,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+         handlers_until_exit: bool = False) -> int:  # fmt: skip
+    """The command; ``handlers_until_exit`` (``python -m service``, which leaves right after): train's signal
+    handlers stay installed after it returns, so a signal in the last moment before the exit (the agent's SIGTERM
+    once a peer exited 75) only sets a flag and cannot kill the process with a signal's exit status."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     env = os.environ if env is None else env
@@ -72,7 +76,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         return _command(args, env, preemption)
     finally:
-        if preemption is not None:
+        if preemption is not None and not handlers_until_exit:
             preemption.close()
 
 

@@ -254,6 +254,14 @@ class DistConfig(_Section):
         "so torchrun restarts the world. auto: max(10 x the p99 step time, 30 s); dist.timeout_seconds until a "
         "step is measured.",
     )
+    data_timeout_seconds: Annotated[float, _within(HANG_TIMEOUT_MIN, TIMEOUT_MAX, "a number of seconds, e.g. 600")] = (
+        Field(
+            600.0,
+            description="A rank waiting for its own data (its loader alive) is slow, not hung: the watchdog reports it "
+            "once it passes the hang timeout and counts it a hang only after this many seconds; its peers wait as "
+            "long. 3 to 604800.",
+        )
+    )
 
 
 class InitFromConfig(_Section):

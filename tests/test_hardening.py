@@ -178,6 +178,46 @@ def test_a_job_whose_lock_is_deleted_or_taken_stops_every_rank_at_one_step_and_w
         assert "summary not written" in out
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (the SigCgt mask in /proc/PID/status); False once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_twenty_preemptions_in_a_row_each_end_75_and_leave_no_stale_lock(tmp_path):
+    """#24.9: SIGTERM to rank 1 alone, as soon as it handles the signal: every rank stops at the start's first
+    agreement, rank 0 saves, and rank 1 (with nothing to save) exits 75 first, so torchrun's agent sends rank 0
+    its own SIGTERM while rank 0 tears down (process group, lock, last line). Handlers restored before that
+    teardown let the agent's SIGTERM kill rank 0 there: its "preempted" line lost, its lock left behind, and the
+    next start took it over as stale, with a warning. 20 starts in a row: none warns, each is preempted."""
+    run_dir = tmp_path / "run"
+    job = (*SLOW, "train.max_steps=1000", "train.epochs=100", "task_options.sleep=0.02", "metrics.goodput=false")
+    for attempt in range(20):
+        proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=0"))
+        try:
+            deadline = time.monotonic() + 60
+            while not (workers := worker_pids(proc.pid)).get(1) or not catches(workers[1], signal.SIGTERM):
+                assert time.monotonic() < deadline and proc.poll() is None, watcher.text()[-3000:]
+                time.sleep(0.01)
+            os.kill(workers[1], signal.SIGTERM)
+            finish(proc, watcher)
+        finally:
+            kill_group(proc)
+        text = watcher.text()
+        assert "is stale" not in text, f"start {attempt}: {text[-4000:]}"
+        summary = read_summary(run_dir)
+        assert summary["status"] == "preempted", f"start {attempt}: {text[-4000:]}"
+        for rank in (0, 1):
+            assert f"[rank {rank}] WARNING preempted: stopped at step" in text, f"start {attempt}: {text[-4000:]}"
+        assert not (run_dir / LOCK_NAME).exists(), f"start {attempt}: the lock was left behind"
+
+
 def test_a_dangling_symlink_at_the_lock_fails_the_start_at_once_saying_what_to_remove(tmp_path):
     """Issue 15, point 8: it hung start-up at full CPU with no output."""
     run_dir = tmp_path / "run"

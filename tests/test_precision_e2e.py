@@ -61,3 +61,20 @@ def test_fp16_overflow_skips_and_compiled_and_eager_runs_resume_from_each_other_
         assert resumed["resumed_from"]["step"] == step and resumed["nonfinite_steps"] == 0  # the skip was before
         assert resumed["model_digest"] == summary["model_digest"], run_dir.name
         assert checkpoint(run_dir, 8)["scaler"] == SCALER_AT_8
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_the_builtin_task_with_batchnorm_trains_at_two_processes_under_amp(tmp_path, amp):
+    """#24.1: the demo's task (a UNet with BatchNorm, SyncBatchNorm at 2 processes) under train.amp=bf16/fp16.
+
+    The CPU SyncBatchNorm updated its float32 running statistics from half-precision batch means and failed
+    ("expected dtype float for `end`") at the first step; its statistics are now taken in float32.
+    """
+    run_dir = tmp_path / amp
+    done = run_job(run_dir, 2, "task=shapes-segmentation", f"train.amp={amp}", "train.max_steps=3",
+                   "train.batch_size=4", "train.log_every=1")  # fmt: skip
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["global_step"] == 3, done.stdout[-3000:]
+    weights = checkpoint(run_dir, 3)["model"]
+    running = [value for key, value in weights.items() if key.endswith("running_mean")]
+    assert running and all(value.dtype == torch.float32 and torch.isfinite(value).all() for value in running)

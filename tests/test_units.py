@@ -169,6 +169,26 @@ def test_allreduce_batchnorm_matches_batchnorm_in_a_world_of_one(world_of_one, s
     torch.testing.assert_close(synced(x), reference(x2))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_allreduce_batchnorm_under_autocast_behaves_like_batchnorm(world_of_one, dtype):
+    """train.amp with BatchNorm (#24.1): a half-precision input out of a conv under autocast gives an output of
+    its dtype, and float32 running statistics equal to torch's own BatchNorm's (its lerp_ failed before)."""
+    torch.manual_seed(0)
+    conv, reference = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+    synced = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), "cpu")[0]
+    x = torch.randn(6, 3, 5, 5)
+    with torch.autocast("cpu", dtype=dtype):
+        hidden = conv(x)
+        out, expected = synced(hidden), reference(hidden)
+    assert hidden.dtype == out.dtype == expected.dtype == dtype
+    assert synced.running_mean.dtype == synced.running_var.dtype == torch.float32
+    torch.testing.assert_close(synced.running_mean, reference.running_mean, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(synced.running_var, reference.running_var, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert synced.weight.grad is not None and synced.weight.grad.dtype == torch.float32
+
+
 def test_dp_strategy_refuses_several_processes_and_warns_on_cpu(world_of_one, caplog):
     train = load_config(None, ["train.strategy=dp"]).train
     ddp = load_config(None).ddp

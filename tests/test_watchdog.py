@@ -25,9 +25,11 @@ from hypothesis import strategies as st
 from service.config import ConfigError, load_config
 from service.loop.progress import (
     AUTO_FLOOR,
+    BACKWARD,
     CHECKPOINT,
     DATA,
-    FORWARD_BACKWARD,
+    EVAL,
+    FORWARD,
     GRACE_FLOOR,
     WINDOW,
     Progress,
@@ -35,7 +37,7 @@ from service.loop.progress import (
     p99,
     teardown_grace,
 )
-from service.loop.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks
+from service.loop.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks, parse_record
 from service.state.preemption import Preemption
 from service.state.resume import config_hash
 from service.telemetry.hangs import append_hang, read_hangs, tally
@@ -62,7 +64,7 @@ def test_hang_timeout_is_the_process_group_timeout_until_a_step_is_measured_then
 
 def test_progress_keeps_the_last_steps_for_the_p99():
     progress = Progress(step=4)
-    assert progress.p99() is None and progress.snapshot() == (4, "startup", 0)
+    assert progress.p99() is None and progress.snapshot() == (4, "startup", 0, 0, 0, 0)
     for step in range(WINDOW + 50):
         progress.stepped(5 + step, 9.0 if step == 0 else 0.1 * (1 + step % 3))
     assert progress.step == 4 + WINDOW + 50 and progress.phase == "boundary"
@@ -118,11 +120,28 @@ def test_behind_ranks_prefers_the_silent_then_the_lowest_step_and_phase():
     def record(step, phase, heard=100.0):
         return {"step": step, "phase": phase, "tick": 0, "changed": 90.0, "heard": heard}
 
-    fresh = {0: record(12, FORWARD_BACKWARD), 1: record(12, DATA), 2: record(12, FORWARD_BACKWARD)}
+    fresh = {0: record(12, FORWARD), 1: record(12, DATA), 2: record(12, FORWARD)}
     assert behind_ranks(fresh, 100.5, 2.5) == [1]  # not in the collective the others wait in
     assert behind_ranks({0: record(13, DATA), 1: record(12, "boundary")}, 100.5, 2.5) == [1]
-    stopped = {0: record(12, FORWARD_BACKWARD), 1: record(12, FORWARD_BACKWARD, heard=95.0), 2: None}
+    stopped = {0: record(12, FORWARD), 1: record(12, FORWARD, heard=95.0), 2: None}
     assert behind_ranks(stopped, 100.5, 2.5) == [1, 2]  # silent, or never heard from
+
+
+def test_a_rank_still_in_its_forward_is_behind_one_in_its_backward_or_in_a_collective_of_its_forward():
+    """#24.8: both at step 12, one waiting in DDP's all-reduce (its backward), one looping in its own forward: the
+    second alone holds the world up. Within one phase, the collectives entered tell the same (SyncBatchNorm's
+    all-reduce in the forward); across micro-steps, the earlier one is behind."""
+
+    def record(phase, micro=0, entered=0):
+        return {"step": 12, "phase": phase, "tick": 0, "micro": micro, "entered": entered, "changed": 90.0,
+                "heard": 100.0}  # fmt: skip
+
+    assert behind_ranks({0: record(BACKWARD), 1: record(FORWARD)}, 100.5, 2.5) == [1]
+    assert behind_ranks({0: record(FORWARD, entered=1), 1: record(FORWARD)}, 100.5, 2.5) == [1]
+    assert behind_ranks({0: record(FORWARD, micro=1), 1: record(BACKWARD, micro=0)}, 100.5, 2.5) == [1]
+    assert behind_ranks({0: record(FORWARD, entered=2), 1: record(FORWARD, entered=2)}, 100.5, 2.5) == [0, 1]
+    old_record = {"step": 12, "phase": FORWARD, "tick": 0, "changed": 90.0, "heard": 100.0}  # no micro/entered
+    assert behind_ranks({0: record(BACKWARD), 1: parse_record(json.dumps(old_record).encode())}, 100.5, 2.5) == [1]
 
 
 class Clock:
@@ -170,9 +189,9 @@ def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(
     watchdog.check()
     assert left == [] and json.loads(store.get("0"))["step"] == 10  # published at once
     step(progress, clock)
-    progress.phase = FORWARD_BACKWARD  # waits in step 14's all-reduce
+    progress.phase = FORWARD  # waits in step 14's all-reduce
     watchdog.check()
-    publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)  # then rank 1 is stopped: silent from here
+    publish_peer(store, 1, 13, FORWARD, heard=clock.now)  # then rank 1 is stopped: silent from here
     for _ in range(49):  # 4.9 s of looks, a tenth of a second apart
         clock.now += 0.1
         watchdog.check()
@@ -181,11 +200,11 @@ def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(
     with caplog.at_level(logging.ERROR):
         watchdog.check()
     assert left == [1] and sink.hangs == [1]
-    assert "rank(s) 1 behind" in caplog.text and "rank 1: 13 steps done, in forward_backward" in caplog.text
+    assert "rank(s) 1 behind" in caplog.text and "rank 1: 13 steps done, in forward" in caplog.text
     assert "silent for 5.1 s" in caplog.text
     assert "most recent call first" in capfd.readouterr().err  # faulthandler's dump of this process's threads
     [record] = read_hangs(tmp_path / "hangs.jsonl")
-    assert (record["rank"], record["behind"], record["step"], record["phase"]) == (0, [1], 13, FORWARD_BACKWARD)
+    assert (record["rank"], record["behind"], record["step"], record["phase"]) == (0, [1], 13, FORWARD)
 
 
 def test_a_watchdog_that_did_not_run_itself_does_not_call_its_own_stop_a_hang(tmp_path, caplog):
@@ -223,6 +242,93 @@ def test_a_peer_saving_a_checkpoint_is_progress(tmp_path, caplog):
     assert left == []
 
 
+def test_waiting_for_its_own_data_is_reported_once_and_a_hang_only_after_the_data_timeout(tmp_path, caplog):
+    """#24.13: a rank in its data phase past the hang timeout (5 s) is reported, not killed, until
+    dist.data_timeout_seconds (here 20 s)."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, rank=1)
+    watchdog.data_seconds = 20.0
+    step(progress, clock)
+    progress.mark(DATA)
+    publish_peer(store, 0, 13, FORWARD, heard=clock.now)
+    for _ in range(38):  # 19 s
+        clock.now += 0.5
+        publish_peer(store, 0, 13, FORWARD, heard=clock.now)
+        watchdog.check()
+    assert left == [] and caplog.text.count("has waited") == 1 and "for its data (in data after step 13)" in caplog.text
+    clock.now += 1.5
+    watchdog.check()
+    assert left == [1]
+
+
+def test_a_peer_waiting_for_its_data_or_compiling_is_waited_for_within_its_bound(tmp_path, caplog):
+    """#24.13 and #24.12, as a peer sees them: a rank in its data phase up to dist.data_timeout_seconds, a rank
+    compiling up to the start-up bound (dist.timeout_seconds, 300 s here); past those bounds, it is behind."""
+    for phase, compiling, bound in ((DATA, 0, 20.0), (FORWARD, 1, 300.0)):
+        store = dist.PrefixStore(PREFIX, dist.HashStore())
+        watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, rank=0)
+        watchdog.data_seconds = 20.0
+        step(progress, clock)
+        progress.mark(FORWARD)  # waits for rank 1 in a collective
+        changed = clock.now
+        watchdog.check()
+        while clock.now - changed < bound - 1:
+            clock.now += 0.5
+            record = {"step": 13, "phase": phase, "tick": 3, "compiling": compiling, "changed": changed,
+                      "heard": clock.now}  # fmt: skip
+            store.set("1", json.dumps(record))
+            watchdog.check()
+        assert left == [], phase
+        assert ("waiting for their data" if phase == DATA else "rank(s) 1 compiling") in caplog.text
+        clock.now += 2
+        store.set("1", json.dumps({**record, "heard": clock.now}))
+        watchdog.check()
+        assert left == [1], phase
+
+
+def test_compiling_is_progress_bounded_by_the_startup_bound(tmp_path):
+    """#24.12: dynamo's compile callbacks mark the record; a compilation long after the steps set a 5 s timeout is no
+    hang until dist.timeout_seconds (300 s here)."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, rank=1)
+    step(progress, clock)
+    progress.mark(EVAL)
+    progress.compile_started()
+    for _ in range(100):  # 250 s
+        clock.now += 2.5
+        publish_peer(store, 0, 13, EVAL, heard=clock.now)
+        watchdog.check()
+    assert left == []
+    progress.compile_ended()
+    watchdog.check()  # the end of the compilation is progress itself
+    for _ in range(49):
+        clock.now += 0.1
+        watchdog.check()
+    assert left == []  # 4.9 s after the compilation ended: the hang timeout (5 s) is back
+    clock.now += 0.2
+    watchdog.check()
+    assert left == [1]
+
+
+def test_the_watchdogs_exit_calls_on_leave_first_and_an_error_in_it_does_not_stop_the_exit(tmp_path):
+    """#24.7: os._exit skips the loop's clean-up; on_leave (the snapshots' removal on a last attempt) runs first."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store)
+    calls: list[str] = []
+
+    def fails() -> None:
+        calls.append("on_leave")
+        raise OSError("gone")
+
+    watchdog.on_leave = fails
+    step(progress, clock)
+    watchdog.check()
+    while not left and clock.now < 1010:  # looks a tenth of a second apart, past the 5 s timeout
+        clock.now += 0.1
+        watchdog.check()
+    assert calls == ["on_leave"] and left == [1]
+
+
 def test_a_stop_signal_while_stuck_with_a_silent_peer_leaves_after_the_grace_and_not_while_peers_answer(tmp_path):
     for peer_alive in (True, False):
         store = dist.PrefixStore(PREFIX, dist.HashStore())
@@ -230,14 +336,14 @@ def test_a_stop_signal_while_stuck_with_a_silent_peer_leaves_after_the_grace_and
         watchdog, progress, clock, left, _ = make_watchdog(tmp_path, store, preemption, setting="auto")
         preemption.clock = clock
         step(progress, clock)
-        progress.phase = FORWARD_BACKWARD
-        publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)
+        progress.phase = FORWARD
+        publish_peer(store, 1, 13, FORWARD, heard=clock.now)
         watchdog.check()
         preemption.received_at = clock.now  # what the handler or the wakeup fd records
         for _ in range(12):  # 6 s: past the 2 s grace, far below the 30 s hang timeout
             clock.now += 0.5
             if peer_alive:
-                publish_peer(store, 1, 13, FORWARD_BACKWARD, heard=clock.now)
+                publish_peer(store, 1, 13, FORWARD, heard=clock.now)
             watchdog.check()
         assert left[:1] == ([] if peer_alive else [1])
 

@@ -108,3 +108,51 @@ def test_a_survivor_signalled_while_stuck_in_a_collective_leaves_in_seconds(tmp_
     print(f"teardown: rank 0 left {left - signalled:.1f} s after its SIGTERM")
     assert left - signalled < 6, text[-4000:]
     assert f"Unable to shutdown process {victims[0]}" not in text
+
+
+def test_a_rank_looping_in_its_forward_is_named_alone_and_a_last_attempt_leaves_no_snapshots(tmp_path):
+    """#24.8 and #24.7: rank 1 stays in its own forward (a 600 s sleep at its 6th training forward) while rank 0
+    waits in DDP's gradient all-reduce. Both were "in forward_backward" at the same step, and the report named
+    "rank(s) 0, 1 behind"; forward and backward are phases of their own now, and rank 1 alone is named. With no
+    restart left (--max-restarts=0), the watchdog's exit (os._exit, past the loop's clean-up) removes the node's
+    in-memory snapshots: nothing would read them."""
+    shm = tmp_path / "shm"
+    done = run_job(tmp_path / "run", 2, *SLOW, "train.max_steps=50", "train.epochs=10", "task_options.sleep=0.02",
+                   "task_options.long_step_at=6", "task_options.long_step_seconds=600",
+                   "task_options.long_step_ranks=[1]", f"dist.hang_timeout_seconds={HANG_TIMEOUT}",
+                   f"checkpoint.snapshot_dir={shm}",
+                   timeout=120, expect_ok=False)  # fmt: skip
+    text = done.stdout
+    assert done.returncode != 0, text[-4000:]
+    reports = re.findall(r"\[rank (\d)\] ERROR hang: .*?: (rank\(s\) [\d, ]+ behind|no rank behind the others)", text)
+    assert reports and all(named == "rank(s) 1 behind" for _, named in reports), (reports, text[-4000:])
+    assert "rank 1: 5 steps done, in forward" in text and "rank 0: 5 steps done, in backward" in text, text[-4000:]
+    assert list((shm / f"ddp-service-{os.getuid()}").iterdir()) == [], "the snapshots outlived the job"
+
+
+def test_a_one_off_data_stall_is_reported_not_a_hang(tmp_path):
+    """#24.13: one 8 s stall in rank 1's data loading (its loader alive: it is reading a sample), past the 5 s hang
+    timeout: reported (rank, phase, seconds) and waited for, by the stalled rank and by its peer, up to
+    dist.data_timeout_seconds; the job completes. It used to kill a healthy job."""
+    done = run_job(tmp_path / "run", 2, *SLOW, "train.max_steps=12", "train.epochs=10", "task_options.sleep=0.02",
+                   "train.batch_size=4", "task_options.stall_at=30", "task_options.stall_seconds=8",
+                   f"dist.hang_timeout_seconds={HANG_TIMEOUT}", timeout=150, expect_ok=False)  # fmt: skip
+    text = done.stdout
+    assert done.returncode == 0 and read_summary(tmp_path / "run")["status"] == "completed", text[-4000:]
+    assert "data stall begins" in text and "ERROR hang" not in text
+    assert re.search(r"\[rank 1\] WARNING rank 1 has waited \d+\.\d s for its data \(in data after step \d+\)", text)
+    assert re.search(r"\[rank 0\] WARNING no progress for \d+\.\d s, but rank\(s\) 1 waiting for their data", text)
+
+
+def test_a_slow_compilation_of_the_evaluation_is_progress_not_a_hang(tmp_path):
+    """#24.12: the first evaluation compiles its graph (8 s here, a cold inductor cache in the report) long after the
+    steps set a 5 s hang timeout; compiling is bounded by the start-up bound (dist.timeout_seconds), on the rank and
+    as its peers see it. It used to be killed as "hang … (in eval after step N)"."""
+    done = run_job(tmp_path / "run", 2, "task=compile_tasks:slow_eval_compile", "task_options.image_size=16",
+                   "task_options.eval_compile_seconds=8", "train.max_steps=8", "train.eval_every=4",
+                   "train.epochs=10", "train.log_every=1", f"dist.hang_timeout_seconds={HANG_TIMEOUT}",
+                   timeout=180, expect_ok=False)  # fmt: skip
+    text = done.stdout
+    assert "slow eval compilation begins" in text, text[-4000:]
+    assert done.returncode == 0 and read_summary(tmp_path / "run")["status"] == "completed", text[-4000:]
+    assert "ERROR hang" not in text

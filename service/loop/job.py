@@ -79,6 +79,7 @@ class Job:
     config_json: dict[str, Any]  # the config as a checkpoint holds it, and its hash: made once, saved at every step
     config_digest: str
     progress: Progress  # where the main thread stands: the loop marks it, the watchdog reads it
+    lineage: str | None  # the job's lineage, known on every rank (None only after a resume from a pre-lineage one)
     watchdog: Watchdog
 
     @property
@@ -149,6 +150,6 @@ def checkpoint_state(job: Job, state: LoopState, checked: bool = True) -> dict[s
         "global_batch": job.plan.global_batch,
         "config": job.config_json,
         "config_hash": job.config_digest,
-        "lineage": job.roles.checkpointer.lineage,
+        "lineage": job.lineage or job.roles.checkpointer.lineage,
         "versions": {"torch": str(torch.__version__), "service": __version__},
     }

@@ -9,6 +9,7 @@ exactly like one rank × batch N·b with plain BatchNorm.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -24,18 +25,23 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
 
     @staticmethod
-    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None) -> Tensor:  # noqa: ANN001
-        ctx.group, ctx.clock = group, clock
-        return _timed_sum(tensor, group, clock)
+    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None,  # noqa: ANN001
+                entered: Callable[[], None] | None) -> Tensor:  # fmt: skip
+        ctx.group, ctx.clock, ctx.entered = group, clock, entered
+        return _timed_sum(tensor, group, clock, entered)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
-        return _timed_sum(grad, ctx.group, ctx.clock), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # noqa: ANN001
+        return _timed_sum(grad, ctx.group, ctx.clock, ctx.entered), None, None, None
 
 
-def _timed_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None) -> Tensor:
-    """A summed copy; with a clock (the metrics exporter's), the time blocked in the all-reduce goes on it."""
+def _timed_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None,
+               entered: Callable[[], None] | None = None) -> Tensor:  # fmt: skip
+    """A summed copy; with a clock (the metrics exporter's), the time blocked in the all-reduce goes on it; with
+    ``entered`` (the hang watchdog's progress record), this rank says it reached the collective."""
     total = tensor.clone()
+    if entered is not None:
+        entered()
     started = time.perf_counter()
     dist.all_reduce(total, group=group)
     if clock is not None:
@@ -43,8 +49,9 @@ def _timed_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None
     return total
 
 
-def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None = None) -> Tensor:
-    return _AllReduceSum.apply(tensor, group, clock)
+def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup, clock: WaitClock | None = None,
+                   entered: Callable[[], None] | None = None) -> Tensor:  # fmt: skip
+    return _AllReduceSum.apply(tensor, group, clock, entered)
 
 
 class AllReduceBatchNorm(_BatchNorm):
@@ -58,29 +65,37 @@ class AllReduceBatchNorm(_BatchNorm):
         self.wait_clock: WaitClock | None = (
             None  # set by the metrics exporter (service.telemetry.commtiming.instrument)
         )
+        self.on_collective: Callable[[], None] | None = None  # set by the loop: the hang watchdog's progress tick
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"AllReduceBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D.")
 
     def forward(self, input: Tensor) -> Tensor:
+        """Statistics, normalisation and the affine part in float32 whatever the input's dtype, like torch's
+        own BatchNorm under autocast: a bf16/fp16 input (``train.amp``) gives an output of its dtype, while
+        the running statistics and the all-reduced sums stay float32."""
         self._check_input_dim(input)
         if not self.training and self.track_running_stats:
             return super().forward(input)
-        dims = [0, *range(2, input.dim())]
-        shape = [1, -1] + [1] * (input.dim() - 2)
-        local_count = input.new_full((1,), input.numel() / input.size(1))
-        sums = all_reduce_sum(torch.cat([input.sum(dims), local_count]), self._group(), self.wait_clock)
+        dtype = input.dtype
+        x = input.float()
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        local_count = x.new_full((1,), x.numel() / x.size(1))
+        sums = all_reduce_sum(torch.cat([x.sum(dims), local_count]), self._group(), self.wait_clock,
+                              self.on_collective)  # fmt: skip
         count = sums[-1]
         mean = sums[:-1] / count
-        centered = input - mean.view(shape)
-        var = all_reduce_sum((centered * centered).sum(dims), self._group(), self.wait_clock) / count
+        centered = x - mean.view(shape)
+        var = all_reduce_sum((centered * centered).sum(dims), self._group(), self.wait_clock,
+                             self.on_collective) / count  # fmt: skip
         if self.training and self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), count.detach())
         out = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+            out = out * self.weight.float().view(shape) + self.bias.float().view(shape)
+        return out.to(dtype)
 
     def _group(self) -> dist.ProcessGroup:
         return cast(dist.ProcessGroup, self.process_group or dist.group.WORLD)
@@ -96,6 +111,14 @@ class AllReduceBatchNorm(_BatchNorm):
         unbiased = var * count / (count - 1).clamp(min=1)
         running_mean.lerp_(mean, factor)
         running_var.lerp_(unbiased, factor)
+
+
+def tick_collectives(model: nn.Module, entered: Callable[[], None]) -> None:
+    """Every layer of ``model`` that runs collectives of its own (this module's SyncBatchNorm) calls ``entered``
+    as it enters each one."""
+    for module in model.modules():
+        if isinstance(module, AllReduceBatchNorm):
+            module.on_collective = entered
 
 
 def convert_sync_batchnorm(module: nn.Module, device_type: str,

@@ -30,11 +30,12 @@ from service.loop.nonfinite import NonfiniteGuard
 from service.loop.optim import build_optimizer, build_schedule, make_optimizer
 from service.loop.parallel import settle_buckets, unwrap, wrap_model
 from service.loop.precision import Precision
-from service.loop.progress import CHECKPOINT, DATA, EVAL, FORWARD_BACKWARD, OPTIMIZER, Progress
+from service.loop.progress import BACKWARD, CHECKPOINT, DATA, EVAL, FORWARD, OPTIMIZER, Progress
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_lambda
 from service.loop.steps import TaskInterfaceError, TaskStep
+from service.loop.syncbn import tick_collectives
 from service.loop.watchdog import Watchdog
 from service.state.consistency import check_same_config
 from service.state.preemption import Preemption
@@ -77,7 +78,9 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
     resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
                                   config.checkpoint.resume, own, area.readable() if area else None)  # fmt: skip
     restore_seconds = time.perf_counter() - agreeing if resumed is not None else 0.0
-    lineage = resumed.state.get("lineage") if resumed else own or fresh_lineage(dist_ctx.control)
+    # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank writes it
+    # (a survivor of a lost node writes the next ones; its restarts under resume=never look for this one).
+    lineage = own or (resumed.state.get("lineage") if resumed else fresh_lineage(dist_ctx.control))
     digest = config_hash(config)
     if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
@@ -115,6 +118,7 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         StartTimes.of(dist_ctx.began, dist_ctx.up, restore_seconds, state.global_step),
     )
     progress = Progress(state.global_step)
+    tick_collectives(model, progress.collective)
     job = Job(
         config=config,
         world=world,
@@ -142,13 +146,28 @@ def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemp
         config_json=config.model_dump(mode="json"),
         config_digest=digest,
         progress=progress,
-        watchdog=Watchdog.for_job(config, world, dist_ctx, progress, preemption, roles.sink),
+        lineage=lineage,
+        # os._exit skips the loop's clean-up: on the last attempt the watchdog removes the snapshots itself
+        watchdog=Watchdog.for_job(
+            config,
+            world,
+            dist_ctx,
+            progress,
+            preemption,
+            roles.sink,
+            roles.snapshots.abandon if last_attempt(world) else lambda: None,
+        ),
     )
     job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
     job.roles.snapshots.preflight(unwrap(model))  # each node's local rank 0: room in shared memory, or none kept
     job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
     job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
     return job
+
+
+def last_attempt(world: WorldInfo) -> bool:
+    """No restart of this node's workers will come: what this start leaves in shared memory, nobody reads."""
+    return world.restart_count >= world.max_restarts
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -175,9 +194,9 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
     """
     model, count, loss_of, progress = job.model, len(micro_batches), job.step.loss, job.progress
     loss_sum = torch.zeros((), device=job.device)
-    progress.phase = FORWARD_BACKWARD
     for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
         progress.tick += 1
+        progress.mark(FORWARD, index)
         batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
         sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
@@ -186,9 +205,10 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                 loss = loss_of(model, batch)
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
+            progress.mark(BACKWARD, index)  # this rank reached its backward and the all-reduce in it
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
-    progress.phase = OPTIMIZER
+    progress.mark(OPTIMIZER)
     job.roles.snapshots.before_update()  # the snapshot of the last step has copied the weights
     job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
@@ -253,7 +273,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
     if state.global_step >= job.total_steps:
         return "steps"
     progress = job.progress
-    progress.phase = DATA
+    progress.mark(DATA)
     job.model.train()
     job.sampler.position(state.epoch, state.cursor)
     batches = iter(job.loader)
@@ -261,7 +281,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
         job.config.seed  # fmt: skip
     for plan in job.plan.steps(state.epoch, state.cursor):
         started = time.perf_counter()  # host timers only: no device sync for the metrics
-        progress.phase = DATA
+        progress.mark(DATA)
         micro = [next(batches) for _ in plan.micro]
         fetched = time.perf_counter()
         seed_step(seed, state.global_step, job.world.rank, job.device)
@@ -287,7 +307,7 @@ def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalRep
             job.model.train()
             if stop := job.preemption.stop_here():  # a signal during the evaluation
                 return stop
-        progress.phase = CHECKPOINT
+        progress.mark(CHECKPOINT)
         saving = time.perf_counter()
         roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
         roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state, checked=False))
@@ -308,7 +328,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     if not names:
         return None
     model, progress = unwrap(job.model), job.progress
-    progress.phase = EVAL
+    progress.mark(EVAL)
     model.eval()
     totals = torch.zeros(len(names) + 1, device=job.device, dtype=torch.float64)
     for batch in job.eval_loader:
@@ -334,7 +354,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
 def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
     """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
     if report is not None:
-        job.progress.phase = CHECKPOINT
+        job.progress.mark(CHECKPOINT)
         job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
 
 
@@ -367,7 +387,7 @@ def train(job: Job) -> dict[str, Any]:
                 keep_if_best(job, state, evals[-1])
             if state.global_step >= job.total_steps:
                 break
-        job.progress.phase = CHECKPOINT
+        job.progress.mark(CHECKPOINT)
         saving = time.perf_counter()
         job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
         job.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
@@ -375,7 +395,7 @@ def train(job: Job) -> dict[str, Any]:
             job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
         job.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now
     except Exception as exc:
-        if job.world.restart_count >= job.world.max_restarts:  # no restart of this node will come for them
+        if last_attempt(job.world):  # no restart of this node will come for them
             job.roles.snapshots.discard()
         seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
         report = evals[-1] if evals else None

@@ -10,7 +10,11 @@ stopped store host (rank 0 under the etcd3 rendezvous, the agent under
 
 - **A hang**: no progress on this rank for the hang timeout
   (:func:`~service.loop.progress.hang_timeout`), a checkpoint being saved
-  anywhere excepted. It reads every rank's record, logs them at ERROR naming
+  anywhere excepted. Two slow things that are not hangs have bounds of their own,
+  on the rank itself and as its peers see it in its record: a rank waiting for
+  its own data (phase ``data``) up to ``dist.data_timeout_seconds``, reported
+  once it passes the hang timeout; and a rank compiling (torch.compile) up to
+  the start-up bound, ``dist.timeout_seconds``. It reads every rank's record, logs them at ERROR naming
   the rank(s) behind, dumps this process's Python stacks to stderr, appends a
   line to ``run_dir/hangs.jsonl`` (the next start's Prometheus sink exports
   it), and leaves with ``os._exit(1)``: torchrun restarts the world. A
@@ -22,6 +26,10 @@ stopped store host (rank 0 under the etcd3 rendezvous, the agent under
   it waits in will never end. It logs one line and leaves at once instead of
   waiting out torchrun's ``--shutdown-timeout``. With every peer alive, the
   signal still stops the loop at the next step boundary, after a save.
+
+Before either exit it calls ``on_leave``: on the last attempt (no restart will
+read them) the node's in-memory snapshots are removed, since ``os._exit`` skips
+the loop's own clean-up.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from service.loop.progress import CHECKPOINT, EVAL, ORDER, Progress, hang_timeout, teardown_grace
+from service.loop.progress import CHECKPOINT, DATA, EVAL, ORDER, Progress, hang_timeout, position, teardown_grace
 from service.state.preemption import Preemption
 from service.telemetry.hangs import append_hang
 from service.telemetry.metrics import MetricsSink
@@ -94,7 +102,9 @@ def parse_record(raw: bytes) -> Record | None:
         return None
     if not isinstance(record, dict) or record.get("phase") not in ORDER:
         return None
-    numbers = [record.get(key) for key in ("step", "tick", "changed", "heard")]
+    for key in ("micro", "entered", "compiling"):
+        record.setdefault(key, 0)
+    numbers = [record.get(key) for key in ("step", "tick", "changed", "heard", "micro", "entered", "compiling")]
     if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
            for value in numbers):  # fmt: skip
         return None
@@ -108,11 +118,12 @@ def silent_ranks(records: Mapping[int, Record | None], now: float, silent_after:
 
 def behind_ranks(records: Mapping[int, Record | None], now: float, silent_after: float) -> list[int]:
     """The ranks holding the world up: the silent ones (:func:`silent_ranks`), else those furthest behind by
-    (step, phase)."""
+    (step, phase, micro-step, collectives entered): :func:`~service.loop.progress.position`."""
     silent = silent_ranks(records, now, silent_after)
     if silent:
         return sorted(silent)
-    keys = {rank: (record["step"], ORDER[record["phase"]]) for rank, record in records.items() if record}
+    keys = {rank: position(record["step"], record["phase"], int(record.get("micro", 0)), int(record.get("entered", 0)))
+            for rank, record in records.items() if record}  # fmt: skip
     if not keys:
         return []
     low = min(keys.values())
@@ -122,50 +133,84 @@ def behind_ranks(records: Mapping[int, Record | None], now: float, silent_after:
 def describe(rank: int, record: Record | None, now: float, silent_after: float) -> str:
     if record is None:
         return f"rank {rank}: never heard from"
-    text = (f"rank {rank}: {record['step']} steps done, in {record['phase']}, "
+    micro = f" (micro-step {record['micro']})" if record.get("micro") else ""
+    compiling = ", compiling" if record.get("compiling") else ""
+    text = (f"rank {rank}: {record['step']} steps done, in {record['phase']}{micro}{compiling}, "
             f"last progress {now - record['changed']:.1f} s ago")  # fmt: skip
     if now - record["heard"] > silent_after:
         text += f", silent for {now - record['heard']:.1f} s"
     return text
 
 
+def watch_compilation(progress: Progress) -> Callable[[], None]:
+    """Count torch.compile's compilations on ``progress`` (dynamo's start and end callbacks); returns the undo.
+
+    Only where dynamo is loaded already (DDP's constructor and ``train.compile`` load it): nothing to watch else.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return lambda: None
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(progress.compile_started)
+    callback_handler.register_end_callback(progress.compile_ended)
+
+    def undo() -> None:
+        with contextlib.suppress(ValueError):
+            callback_handler.remove_start_callback(progress.compile_started)
+            callback_handler.remove_end_callback(progress.compile_ended)
+
+    return undo
+
+
 class Watchdog:
     """This rank's watchdog thread; :meth:`start` when training starts, :meth:`stop` when it ends.
 
     ``setting``: ``dist.hang_timeout_seconds``; ``startup_seconds``: ``dist.timeout_seconds``;
-    ``hangs_path``: ``run_dir/hangs.jsonl``; ``leave``: ``os._exit`` (a test passes its own).
+    ``data_seconds``: ``dist.data_timeout_seconds``; ``hangs_path``: ``run_dir/hangs.jsonl``; ``leave``:
+    ``os._exit`` (a test passes its own); ``on_leave``: called just before it.
     """
 
     def __init__(self, progress: Progress, store: Any, rank: int, world_size: int, store_host: str,
                  setting: float | str, startup_seconds: float, preemption: Preemption, sink: MetricsSink,
                  hangs_path: Path, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, leave: Callable[[int], Any] = os._exit) -> None:  # fmt: skip
+                 wall: Callable[[], float] = time.time, leave: Callable[[int], Any] = os._exit,
+                 data_seconds: float = 600.0, on_leave: Callable[[], Any] = lambda: None) -> None:  # fmt: skip
         self.progress = progress
         self.store = StoreCaller(store)
         self.rank, self.world_size, self.store_host = rank, world_size, store_host
         self.setting, self.startup_seconds = setting, startup_seconds
         self.preemption, self.sink, self.hangs_path = preemption, sink, hangs_path
-        self.clock, self.wall, self.leave = clock, wall, leave
+        self.clock, self.wall, self._exit, self.on_leave = clock, wall, leave, on_leave
+        self.data_seconds = data_seconds
         self._last = progress.snapshot()
         self._changed, self._changed_wall = clock(), wall()
         self._looked = self._changed
         self._published = self._peers_read = -math.inf
-        self._waiting_for_save = False
+        self._waiting_for: tuple[str, ...] = ()  # the peers' slow work this stall waits for, reported once
+        self._reported_data = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
     def for_job(cls, config: Any, world: Any, dist_ctx: Any, progress: Progress, preemption: Preemption,
-                sink: MetricsSink) -> Watchdog:  # fmt: skip
+                sink: MetricsSink, on_leave: Callable[[], Any] = lambda: None) -> Watchdog:  # fmt: skip
         """The watchdog of one start, on a clone of the process group's store (its own connection)."""
         import torch.distributed as dist
 
         store = dist.PrefixStore(PREFIX, dist_ctx.store.clone())
         return cls(progress, store, world.rank, world.world_size, dist_ctx.store_host,
                    config.dist.hang_timeout_seconds, config.dist.timeout_seconds, preemption, sink,
-                   Path(config.run_dir) / "hangs.jsonl")  # fmt: skip
+                   Path(config.run_dir) / "hangs.jsonl", data_seconds=config.dist.data_timeout_seconds,
+                   on_leave=on_leave)  # fmt: skip
+
+    def leave(self, code: int) -> None:
+        """``on_leave`` (never stopping the exit), then the exit."""
+        with contextlib.suppress(Exception):
+            self.on_leave()
+        self._exit(code)
 
     def start(self) -> None:
+        self._unwatch = watch_compilation(self.progress)
         self._thread = threading.Thread(target=self._run, name="ddp-watchdog", daemon=True)
         self._thread.start()
 
@@ -173,6 +218,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(STORE_DEADLINE + 1)
+        getattr(self, "_unwatch", lambda: None)()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL):
@@ -193,11 +239,11 @@ class Watchdog:
             self._changed, self._changed_wall = now, wall
         if state != self._last:
             self._last, self._changed, self._changed_wall = state, now, wall
-            self._waiting_for_save = False
+            self._waiting_for, self._reported_data = (), False
         if now - self._published >= PUBLISH_EVERY:
             self._published = now
             self._publish(state, wall)
-        step, phase, _ = state
+        step, phase = state[0], state[1]
         step_p99 = self.progress.p99()
         timeout = hang_timeout(self.setting, step_p99, self.startup_seconds)
         signalled = self.preemption.signalled_at()
@@ -216,17 +262,40 @@ class Watchdog:
                               phase, step, now - self._changed, who)  # fmt: skip
                     self.leave(1)
                     return
-        if phase == CHECKPOINT or now - self._changed < timeout:
+        stalled = now - self._changed
+        if phase == CHECKPOINT or stalled < timeout:
             return
-        self._on_stall(state, now, wall, timeout)
+        own = self.own_bound(state, timeout)
+        if stalled < own:  # waiting for its own data, or compiling: slow, and reported, but not a hang yet
+            if phase == DATA and not self._reported_data:
+                self._reported_data = True
+                log.warning("rank %d has waited %.1f s for its data (in %s after step %d), past the hang timeout "
+                            "of %.1f s; its loader is alive, so this is no hang until dist.data_timeout_seconds="
+                            "%g", self.rank, stalled, phase, step, timeout, self.data_seconds)  # fmt: skip
+            return
+        self._on_stall(state, now, wall, own)
 
-    def _publish(self, state: tuple[int, str, int], wall: float) -> None:
-        step, phase, tick = state
-        record = json.dumps({"step": step, "phase": phase, "tick": tick, "changed": self._changed_wall,
-                             "heard": wall})  # fmt: skip
+    def own_bound(self, state: tuple[int, str, int, int, int, int], timeout: float) -> float:
+        """How long this rank may go without progress where it stands: the hang timeout; waiting for its own data,
+        ``dist.data_timeout_seconds``; compiling, the start-up bound."""
+        phase, compiling = state[1], state[5]
+        bound = timeout
+        if phase == DATA:
+            bound = max(bound, self.data_seconds)
+        if compiling:
+            bound = max(bound, float(self.startup_seconds))
+        return bound
+
+    def _record(self, state: tuple[int, str, int, int, int, int], wall: float) -> Record:
+        step, phase, tick, micro, entered, compiling = state
+        return {"step": step, "phase": phase, "tick": tick, "micro": micro, "entered": entered,
+                "compiling": compiling, "changed": self._changed_wall, "heard": wall}  # fmt: skip
+
+    def _publish(self, state: tuple[int, str, int, int, int, int], wall: float) -> None:
+        record = json.dumps(self._record(state, wall))
         self.store.call(lambda store: store.set(str(self.rank), record))
 
-    def read_records(self, state: tuple[int, str, int], wall: float) -> dict[int, Record | None] | None:
+    def read_records(self, state: tuple[int, str, int, int, int, int], wall: float) -> dict[int, Record | None] | None:
         """Every rank's record (this rank's live one), None where a rank never published; None if the store
         did not answer."""
 
@@ -238,23 +307,38 @@ class Watchdog:
         if not answered:
             return None
         records = {rank: parse_record(value) if value is not None else None for rank, value in raw.items()}
-        step, phase, tick = state
-        records[self.rank] = {"step": step, "phase": phase, "tick": tick, "changed": self._changed_wall,
-                              "heard": wall}  # fmt: skip
+        records[self.rank] = self._record(state, wall)
         return records
 
-    def _on_stall(self, state: tuple[int, str, int], now: float, wall: float, timeout: float) -> None:
+    def busy_peers(self, records: dict[int, Record | None], wall: float, silent_after: float) -> dict[str, list[int]]:
+        """The peers, alive (heard lately), whose slow work is progress: saving a checkpoint; waiting for their own
+        data, within ``dist.data_timeout_seconds``; compiling, within the start-up bound."""
+        busy: dict[str, list[int]] = {"saving a checkpoint": [], "waiting for their data": [], "compiling": []}
+        for rank, record in records.items():
+            if rank == self.rank or not record or wall - record["heard"] > silent_after:
+                continue
+            quiet = wall - record["changed"]
+            if record["phase"] == CHECKPOINT:
+                busy["saving a checkpoint"].append(rank)
+            elif record["phase"] == DATA and quiet < self.data_seconds:
+                busy["waiting for their data"].append(rank)
+            elif record.get("compiling") and quiet < self.startup_seconds:
+                busy["compiling"].append(rank)
+        return {what: ranks for what, ranks in busy.items() if ranks}
+
+    def _on_stall(self, state: tuple[int, str, int, int, int, int], now: float, wall: float, timeout: float) -> None:
         stalled = now - self._changed
         records = self.read_records(state, wall)
         silent_after = self.silent_after(timeout)
         if records is not None:
-            saving = [rank for rank, record in records.items() if rank != self.rank and record
-                      and record["phase"] == CHECKPOINT and wall - record["heard"] <= silent_after]  # fmt: skip
-            if saving:  # a save in progress is progress: wait for it
-                if not self._waiting_for_save:
-                    self._waiting_for_save = True
-                    log.warning("no progress for %.1f s, but rank(s) %s are saving a checkpoint: waiting for it",
-                                stalled, ", ".join(map(str, saving)))  # fmt: skip
+            busy = self.busy_peers(records, wall, silent_after)
+            if busy:  # a save, a peer's own data or a compilation in progress is progress: wait for it
+                waiting = tuple(sorted(busy))
+                if waiting != self._waiting_for:
+                    self._waiting_for = waiting
+                    log.warning("no progress for %.1f s, but %s: waiting for them", stalled,
+                                "; ".join(f"rank(s) {', '.join(map(str, ranks))} {what}"
+                                          for what, ranks in busy.items()))  # fmt: skip
                 return
             behind = behind_ranks(records, wall, silent_after)
             ranks = [describe(rank, records[rank], wall, silent_after) for rank in sorted(records)[:MAX_LISTED]]
@@ -265,7 +349,7 @@ class Watchdog:
             behind = [0] if self.store_host == "rank 0" else []
             listing = f"unknown: {self.store_host}, which hosts the store, did not answer within {STORE_DEADLINE:.0f} s"
             named = "rank 0 behind" if behind else "no rank named"
-        step, phase, _ = state
+        step, phase = state[0], state[1]
         log.error("hang: no progress on this rank for %.1f s (in %s after step %d; hang timeout %.1f s, "
                   "dist.hang_timeout_seconds=%s): %s. Ranks: %s. This process's stacks follow on stderr; "
                   "exiting so that torchrun restarts the world.", stalled, phase, step, timeout, self.setting,

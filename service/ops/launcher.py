@@ -33,13 +33,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from service.config import ConfigError, JobConfig, load_config
+from service.ops.launch_signals import EarlySignals, Signalled, handled_signals, raise_signalled, restore_signals
 from service.ops.preflight import check_against_world
 from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
 from service.world.env import WorldInfo
@@ -267,29 +268,19 @@ def _resolve_rendezvous(namespace: argparse.Namespace) -> list[str]:
 # --------------------------------------------------------------------------- running
 
 
-class _Signalled(Exception):
-    """A handled signal before the agent runs (torch, whose exception the agent expects, is not loaded yet)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.sigval = signal.Signals(signum)
-
-
-def _raise_signalled(signum: int, frame: FrameType | None) -> None:
-    raise _Signalled(signum)
-
-
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     """``ddp-service launch``: validate, run torchrun's agent in this process, and say how the job ended."""
     environ = os.environ if environ is None else environ
     _configure_logging()
     # First thing: loading torch alone takes seconds, and torchrun's agent handles signals only once it has
     # started workers. Until then a handled signal ends the launch as preempted.
-    early = _signals(environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS)
-    previous = {sig: signal.signal(sig, _raise_signalled) for sig in early}
+    early = handled_signals(environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS)
+    kept = EarlySignals()
+    handler = kept.handler(raise_signalled)
+    previous = {sig: signal.signal(sig, handler) for sig in early}
     try:
-        return _launch(argv, environ, previous)
-    except _Signalled as exc:
+        return _launch(argv, environ, previous, kept)
+    except Signalled as exc:
         log.warning("launch: got %s before torchrun's agent started; no worker ran", exc.sigval.name)
         code = exit_code(Outcome(signal=exc.sigval.name))
         log.info("launch: exit %d (%s)", code, _MEANING[code])
@@ -299,13 +290,14 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a handler not from Python
 
 
-def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[signal.Signals, Any]) -> int:
+def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[signal.Signals, Any],
+            kept: EarlySignals) -> int:  # fmt: skip
     if asks_for_help(argv):
         print(launch_help(), end="")
         return EXIT_COMPLETED
     try:
         request = parse_request(argv, environ)
-        for sig in set(early) - set(_signals(request.torchrun.signals_to_handle)):
+        for sig in set(early) - set(handled_signals(request.torchrun.signals_to_handle)):
             signal.signal(sig, early[sig] or signal.SIG_DFL)  # an explicit --signals-to-handle left it out
         config = load_config(request.config_path, request.overrides)
         nproc = int(request.torchrun.nproc_per_node)
@@ -315,7 +307,7 @@ def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[sign
         return EXIT_BAD_INPUT
     for note in request.notes:
         log.info("%s", note)
-    code = exit_code(run_agent(request, config))
+    code = exit_code(run_agent(request, config, kept))
     log.info("launch: exit %d (%s)", code, _MEANING[code])
     return code
 
@@ -324,29 +316,36 @@ _MEANING = {EXIT_COMPLETED: "completed", EXIT_PREEMPTED: "preempted: rerun the s
             EXIT_BAD_INPUT: "bad input: fix what the error above names, then rerun", EXIT_FAILED: "failed"}  # fmt: skip
 
 
-def run_agent(request: LaunchRequest, config: JobConfig) -> Outcome:
+def run_agent(request: LaunchRequest, config: JobConfig, kept: EarlySignals | None = None) -> Outcome:
     """Run ``torch.distributed.run.run`` here; its errors become an :class:`Outcome`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
-    def raise_in_agent(signum: int, frame: FrameType | None) -> None:
+    def raise_in_agent(signum: int) -> None:
         """What torchrun's agent installs once it starts workers; here from before its first rendezvous."""
         sig = signal.Signals(signum)
         raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
+    kept = kept or EarlySignals()
     started = time.time()
     summary = Path(config.run_dir) / "summary.json"
-    for sig in _signals(request.torchrun.signals_to_handle):
-        signal.signal(sig, raise_in_agent)
+    handler = kept.handler(raise_in_agent)
+    for sig in handled_signals(request.torchrun.signals_to_handle):
+        signal.signal(sig, handler)
+    kept.check()  # a signal whose raise was lost while torch loaded: no agent, no worker
     log.info("launch: torchrun %s", _describe(request.torchrun))
+    done = threading.Event()
+    watcher = threading.Thread(target=kept.redeliver, args=(done,), name="launch-signals", daemon=True)
+    watcher.start()
     try:
         run(request.torchrun)
     except ChildFailedError as exc:
         codes = tuple(failure.exitcode for failure in exc.failures.values())
         return Outcome(failed_codes=codes, summary_status=_fresh_status(summary, started))
     except SignalException as exc:
+        kept.honoured = True
         log.warning("launch: the agent got %s and passed it to the workers", exc.sigval.name)
         return Outcome(signal=exc.sigval.name, summary_status=_fresh_status(summary, started))
     except ValueError as exc:  # torchrun's and the rendezvous backends' refusals of their options
@@ -356,8 +355,22 @@ def run_agent(request: LaunchRequest, config: JobConfig) -> Outcome:
         log.error("launch: the rendezvous failed: %s", exc)
         return Outcome(failed_codes=(EXIT_FAILED,))
     finally:
-        _restore_signals(request.torchrun.signals_to_handle)
+        done.set()
+        watcher.join()
+        restore_signals(request.torchrun.signals_to_handle)
+        remove_snapshots(config)
     return Outcome(summary_status=_fresh_status(summary, started))
+
+
+def remove_snapshots(config: JobConfig) -> None:
+    """The agent is done (completed, preempted, failed, or out of restarts): its workers' in-memory snapshots
+    have no reader left (a new launch is another agent, with areas of its own), however the workers ended,
+    SIGKILLed and hung ones included."""
+    from service.state.snapshot import areas_of_agent
+
+    for area in areas_of_agent(config.checkpoint.snapshot_dir, os.getpid()):
+        area.remove()
+        log.info("launch: removed this node's in-memory snapshots of the job, %s", area.path)
 
 
 def _fresh_status(summary: Path, since: float) -> str | None:
@@ -368,18 +381,6 @@ def _fresh_status(summary: Path, since: float) -> str | None:
         return str(json.loads(summary.read_text()).get("status"))
     except (OSError, ValueError):
         return None
-
-
-def _signals(names: str) -> list[signal.Signals]:
-    """The signals of a torchrun ``--signals-to-handle`` list (SIGTERM,SIGUSR1); unknown names are left out."""
-    found = (getattr(signal, name.strip(), None) for name in names.split(","))
-    return [sig for sig in found if isinstance(sig, signal.Signals)]
-
-
-def _restore_signals(names: str) -> None:
-    """torchrun's handlers raise in this process; once the agent is done, a signal has its default effect."""
-    for sig in _signals(names):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _describe(namespace: argparse.Namespace) -> str:

@@ -138,6 +138,31 @@ def node_area(root: str, run_dir: str, run_id: str | None, host: str | None = No
     return Area(Path(root) / f"ddp-service-{os.getuid()}" / key, owner)
 
 
+def areas_of_agent(root: str, agent: int, host: str | None = None) -> list[Area]:
+    """The areas under ``root`` whose marker names ``agent`` on this host: what that agent's workers wrote.
+
+    Only directories of this user with mode 0700 (see :meth:`Area.problem`) and a readable marker count.
+    """
+    base = Path(root) / f"ddp-service-{os.getuid()}"
+    host = host or socket.gethostname()
+    found = []
+    try:
+        children = sorted(base.iterdir())
+    except OSError:
+        return []
+    for path in children:
+        try:
+            raw = read_small(path, MARKER, 4096)
+            owner = json.loads(raw) if raw is not None else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and owner.get("agent") == agent and owner.get("host") == host:
+            area = Area(path, owner)
+            if area.problem() is None:
+                found.append(area)
+    return found
+
+
 class Snapshots:
     """Keeps nothing: every rank but a node's local rank 0, and jobs with ``checkpoint.snapshot_every=0``."""
 
@@ -155,6 +180,9 @@ class Snapshots:
 
     def discard(self) -> None:
         """The job is over here (completed, preempted with its checkpoint saved, or failed for good)."""
+
+    def abandon(self) -> None:
+        """The process leaves at once (``os._exit``) on its last attempt: remove the area, waiting for nothing."""
 
     def close(self) -> None:
         """Wait for a snapshot in flight and stop the writer; the area stays for a restart."""
@@ -262,6 +290,10 @@ class SnapshotWriter(Snapshots):
 
     def discard(self) -> None:
         self.close()
+        self.area.remove()
+
+    def abandon(self) -> None:
+        self.enabled = False
         self.area.remove()
 
     def close(self) -> None:

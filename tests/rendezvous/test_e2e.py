@@ -215,6 +215,36 @@ def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
           + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items()) + ")")  # fmt: skip
 
 
+def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_crash(
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
+) -> None:
+    """#24.2: two nodes x 1 process, ``checkpoint.resume=never`` (a new job: its restarts resume only from states of
+    its own lineage), no disk checkpoint between (every_steps=1000). The node of rank 0 is lost: the survivor resumes
+    from its own snapshot. Then its worker is SIGKILLed: the restart resumes from the snapshot of its last step
+    again, not from step 0. (The survivor's snapshots used to carry no lineage: only rank 0's checkpointer had one.)
+    """
+    run_dir = tmp_path / "run"
+    job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05), "--set",
+                     "checkpoint.resume=never")  # fmt: skip
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    for agent in (a, b):
+        agent.wait_for(r"\[rank [01]\] INFO step 4/", 120)
+    victim, survivor, _ = kill_rank0_node(a, b)
+    first = int(survivor.wait_for(r"\[rank 0\] INFO resuming from \S+ \(step (\d+),", 60).group(1))
+    survivor.wait_for(rf"\[rank 0\] INFO step {first + 4}/", 60)
+    completed = max(rank_steps([survivor]))
+    os.kill(worker_pids(survivor.proc.pid)[0], signal.SIGKILL)
+    assert_ok(survivor, 120)
+    result = summary(run_dir)
+    assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (1, 60), result
+    steps = resumed_steps(survivor)
+    assert len(steps) == 2 and steps[0] == first, (steps, logs(survivor))
+    resumed = result["resumed_from"]
+    assert resumed["source"] == "snapshot" and resumed["step"] == steps[1], resumed
+    assert completed - 1 <= resumed["step"] <= completed + 1, (resumed, completed)  # a step at most
+
+
 def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
 ) -> None:

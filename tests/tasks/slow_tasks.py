@@ -14,7 +14,9 @@ checkpoint's) sleep that long, printing ``slow state_dict begins`` to stderr: a 
 sets it; a test task may read it) equals it sleeps ``task_options.slow_rank_sleep`` seconds more
 per training micro-step (the monitoring tests).
 ``task_options.item_sleep`` makes each training sample's ``__getitem__`` sleep that long (known data wait, with
-``data.num_workers=0``); ``task_options.linger_seconds`` makes ``RANK`` ``task_options.linger_rank`` (0) of a
+``data.num_workers=0``); ``task_options.stall_seconds`` makes the ``task_options.stall_at``-th training
+``__getitem__`` (from 1) of ``RANK`` ``task_options.stall_rank`` (1) sleep that long, once: a one-off data stall;
+``task_options.linger_seconds`` makes ``RANK`` ``task_options.linger_rank`` (0) of a
 first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) stay that long after its ``main`` has returned or raised, before the
 process exits (a non-daemon thread): a known delay before its agent can restart the group (the goodput tests).
 """
@@ -65,13 +67,18 @@ class Sleepy(nn.Module):
 
 
 class SlowItems(Dataset):
-    def __init__(self, inner: Dataset, seconds: float) -> None:
+    def __init__(self, inner: Dataset, seconds: float, stall_at: int = 0, stall_seconds: float = 0.0) -> None:
         self.inner, self.seconds = inner, seconds
+        self.stall_at, self.stall_seconds, self.reads = stall_at, stall_seconds, 0
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> object:
+        self.reads += 1
+        if self.reads == self.stall_at:
+            print(f"data stall begins: {self.stall_seconds} s", file=sys.stderr, flush=True)
+            time.sleep(self.stall_seconds)
         time.sleep(self.seconds)
         return self.inner[index]
 
@@ -95,7 +102,7 @@ def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
     own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
            "slow_rank", "slow_rank_sleep", "slow_state_seconds", "item_sleep", "linger_seconds",
-           "linger_rank")  # fmt: skip
+           "linger_rank", "stall_at", "stall_seconds", "stall_rank")  # fmt: skip
     options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
     ranks = spec.option("long_step_ranks", None)
@@ -112,7 +119,11 @@ def slow_shapes(spec: TaskSpec) -> Task:
         model.slow_state_seconds = float(spec.option("slow_state_seconds", 0.0))
     per_sample = int(spec.option("tokens_per_sample", 0))
     item_sleep = float(spec.option("item_sleep", 0.0))
-    train_set = SlowItems(task.train_set, item_sleep) if item_sleep else task.train_set
+    stall_seconds = float(spec.option("stall_seconds", 0.0))
+    stalls = os.environ.get("RANK", "0") == str(int(spec.option("stall_rank", 1)))
+    stall_at = int(spec.option("stall_at", 0)) if stall_seconds and stalls else 0
+    slow_items = item_sleep or stall_at
+    train_set = SlowItems(task.train_set, item_sleep, stall_at, stall_seconds) if slow_items else task.train_set
     linger = float(spec.option("linger_seconds", 0.0))
     lingers = os.environ.get("RANK", "0") == str(int(spec.option("linger_rank", 0)))
     if linger and lingers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
