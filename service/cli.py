@@ -11,19 +11,14 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.ops import export as weights_export
 from service.ops import goodput as goodput_report
-from service.ops.preflight import check_against_world
 from service.rendezvous import admin as rdzv_admin
 from service.state.preemption import Preemption
 from service.world.env import EnvError, WorldInfo, detect_world
-
-if TYPE_CHECKING:  # torch stays unimported for validate and env
-    from service.world.distributed import DistContext
-    from service.world.runlock import RunDirGuard
+from service.world.preflight import check_against_world
 
 log = logging.getLogger("service")
 
@@ -125,15 +120,12 @@ def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal
 
 
 def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
+    from service.loop.runtime import Runtime
+    from service.loop.train import run_task
     from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
-    from service.world.distributed import distributed
-    from service.world.orphans import guard_against_orphaning
-    from service.world.runlock import build_run_dir_guard
 
-    guard_against_orphaning(world)  # before anything that could outlive a dead agent
-    guard = build_run_dir_guard(config, world)
-    with guard.held(), distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
-        summary = _run_job(config, world, dist_ctx, preemption, guard, terminal)
+    with Runtime.opened(config, world, preemption, terminal) as runtime:
+        summary = run_task(runtime)
     if summary["status"] == "lock_lost":
         log.error("stopped at step %d without a checkpoint: %s", summary["global_step"],
                   summary["error"] or "rank 0 lost the run_dir lock; another job may own run_dir now")  # fmt: skip
@@ -146,19 +138,6 @@ def _train_in_group(config: JobConfig, world: WorldInfo, preemption: Preemption,
              summary["eval_metric"]["name"], summary["eval_metric"]["value"] or 0.0,
              summary["samples_per_second"] or 0.0)  # fmt: skip
     return EXIT_COMPLETED
-
-
-def _run_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
-             guard: RunDirGuard, terminal: bool) -> dict:  # fmt: skip
-    """Build and train; the job (and its DDP model) dies with this frame, before the process group."""
-    from service.loop.train import build_job, train
-
-    job = build_job(config, world, dist_ctx, preemption, terminal)
-    try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
-        with guard.on_lost(lambda why: job.roles.fence(guard.vacant), job.preemption.lose_lock):
-            return train(job)
-    finally:  # the signal handlers stay until main returns: an agent's SIGTERM in the teardown below must not kill
-        job.roles.close()  # this rank before the process group is closed, the lock released and the last line logged
 
 
 if __name__ == "__main__":

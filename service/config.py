@@ -109,11 +109,36 @@ def _within(low: int, high: int, fix: str) -> BeforeValidator:
     """Refuse a number outside ``low..high`` before pydantic's int parsing (``1.0e+23`` would overflow it)."""
 
     def check(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(_NOT_FINITE)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
             raise ValueError(f"must be between {low} and {high}; {fix}")
         return value
 
     return BeforeValidator(check)
+
+
+def _grad_clip(value: Any) -> float | str | None:
+    """``auto``, null (off), or a positive finite number: one error naming the fix."""
+    if value is None or value == "auto":
+        return value
+    fix = "must be auto (1.0 when the service builds the optimizer, none when the task or script brings its own), "\
+          "null (no clipping) or a positive number, e.g. 1.0"  # fmt: skip
+    if isinstance(value, str):  # YAML reads 1e400 and Infinity as strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(fix) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(fix)
+    if not math.isfinite(value):
+        raise ValueError(_NOT_FINITE)
+    if value <= 0:
+        raise ValueError(fix)
+    return float(value)
+
+
+GradClip = Annotated[float | Literal["auto"] | None, PlainValidator(_grad_clip)]
 
 
 class TrainConfig(_Section):
@@ -136,8 +161,16 @@ class TrainConfig(_Section):
     optimizer: Literal["sgd", "adamw"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0, description="Max gradient norm; null turns clipping off.")
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_clip: GradClip = Field(
+        "auto",
+        description="Max gradient norm; null turns clipping off; auto: 1.0 with the service's optimizer, none with "
+        "a task's own (optimizer_fn).",
+    )
+    lr_schedule: Literal["auto", "cosine", "linear", "constant"] = Field(
+        "auto",
+        description="auto: cosine with the service's optimizer; with a task's own optimizer (optimizer_fn) and no "
+        "scheduler_fn, none (constant).",
+    )
     min_lr: float = Field(0.0, ge=0, description="Where cosine/linear decay ends at the last step; at most lr.")
     warmup_steps: int = Field(0, ge=0)
     compile: Compile = Field(False, description="torch.compile the model (in place, before the DDP wrap).")
@@ -170,6 +203,11 @@ class DataConfig(_Section):
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     trace: bool = Field(False, description="Write each rank's consumed sample indices to run_dir/trace/.")
+    stream_resume: Literal["exact", "restart"] = Field(
+        "exact",
+        description="A stream (an iterable dataset) on a resume: exact (its saved position, at the same world size; "
+        "refused otherwise) or restart (afresh: samples may repeat or be skipped).",
+    )
 
 
 class BestConfig(_Section):

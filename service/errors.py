@@ -53,3 +53,24 @@ def buffer_hint(exc: RuntimeError) -> RuntimeError:
     if SHARED_MEMORY_MARKER in str(exc):
         return BufferBroadcastError(f"{exc}\n\n{BUFFER_HINT}")
     return exc
+
+
+UNUSED_MARKER = "Expected to have finished reduction in the prior iteration"
+
+UNUSED_HINT = (
+    "DDP expected every parameter of the model to get a gradient in the last backward, and some did not: the "
+    "model has parameters the loss does not use (a branch not taken, a head left out). Set "
+    "`ddp.find_unused_parameters: true` (--set ddp.find_unused_parameters=true): DDP then finds them at each step, "
+    "at the cost of a walk over the autograd graph per step. Or make every parameter take part in the loss."
+)
+
+
+class UnusedParametersError(RuntimeError):
+    """Raised in place of DDP's "Expected to have finished reduction" error, naming ddp.find_unused_parameters."""
+
+
+def ddp_hint(exc: RuntimeError) -> RuntimeError:
+    """``exc`` itself, or the error with the config switch that fixes it (the buffer broadcast, unused parameters)."""
+    if UNUSED_MARKER in str(exc):
+        return UnusedParametersError(f"{exc}\n\n{UNUSED_HINT}")
+    return buffer_hint(exc)

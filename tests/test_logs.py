@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import re
-import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ from service.config import TrainConfig, load_config
 from service.loop.job import LoopState
 from service.loop.roles import build_roles
 from service.loop.sampler import DataPlan
-from service.loop.train import _Window, plan_total_steps
+from service.loop.train import plan_total_steps
+from service.loop.window import Window
 from service.telemetry.logs import configure_logging, log_level
 from service.telemetry.metrics import (
     LogSink,
@@ -110,25 +110,35 @@ def test_the_bar_is_rank0s_on_a_terminal_only_and_the_log_sink_adds_own_numbers_
 
 def test_the_window_adds_the_worlds_numbers_with_one_sum_and_keeps_its_own(monkeypatch):
     """Another rank's window: loss sum 3.0 over 2 steps, 50 samples/s; ``world_sum`` adds it as the all-reduce
-    would. The report keeps this rank's own loss and rate (TensorBoard, Prometheus) besides the world's."""
-    calls = []
+    would. The report keeps this rank's own loss and rate (TensorBoard, Prometheus) besides the world's. The names
+    are agreed at the first report (one gather); every report after it is one collective."""
+    calls, gathers = [], []
+    other = {"loss": (3.0, 2.0)}
 
     def world_sum(values: list[float]) -> list[float]:
         calls.append(list(values))
-        return [mine + other for mine, other in zip(values, [3.0, 2.0, 50.0], strict=True)]
+        theirs = [0.0, 2.0, 50.0, *(number for name in window.names for number in other.get(name, (0.0, 0.0)))]
+        return [mine + extra for mine, extra in zip(values, theirs, strict=True)]
 
-    job = types.SimpleNamespace(total_steps=10, optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.1}]))
-    window = _Window(torch.device("cpu"), world_sum)
-    clock = iter([100.0, 102.0, 102.0])
-    monkeypatch.setattr("service.loop.train.time.perf_counter", lambda: next(clock))
+    def gather(payload: bytes) -> list[bytes]:
+        gathers.append(payload)
+        return [payload, b'["loss"]']
+
+    window = Window(torch.device("cpu"), world_sum, gather)
+    clock = iter([100.0, 102.0, 102.0, 104.0, 104.0])  # each window's start and end: 2 s for 2 steps
+    monkeypatch.setattr("service.loop.window.time.perf_counter", lambda: next(clock))
     window.reset()
-    window.add(torch.tensor(0.5), 16)
-    window.add(torch.tensor(1.5), 16)
-    report = window.report(job, LoopState(global_step=2))  # type: ignore[arg-type]
-    assert len(calls) == 1 and calls[0] == [2.0, 2, 16.0]  # one collective per log step: sum, steps, rate
-    assert (report.loss, report.rank_samples_per_second) == (1.0, 16.0)
-    assert (report.world_loss, report.world_samples_per_second) == (1.25, 66.0)
-    assert report.seconds_per_step == 1.0 and window.steps == 0
+    for steps_done in (2, 4):
+        for value in (0.5, 1.5):
+            window.log("loss", torch.tensor(value))
+            window.step(16)
+        calls.clear()
+        report = window.report(LoopState(global_step=steps_done), 10, 0.1)
+        assert (report.loss, report.rank_samples_per_second) == (1.0, 16.0)
+        assert (report.world_loss, report.world_samples_per_second) == (1.25, 66.0)
+        assert report.seconds_per_step == 1.0 and window.steps == 0 and report.lr == 0.1
+    assert len(calls) == 1 and calls[0] == [0.0, 2, 16.0, 2.0, 2.0]  # sum, steps, rate, then each name's sum, count
+    assert gathers == [b'["loss"]'] and window.names == ["loss"]
 
 
 def test_prometheus_and_tensorboard_get_the_ranks_own_numbers_not_the_worlds(tmp_path):

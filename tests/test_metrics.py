@@ -18,12 +18,12 @@ from test_resume_e2e import finish, start
 
 from service.config import load_config
 from service.loop.roles import build_roles
-from service.ops.preflight import check_against_world
 from service.state.checkpoint import Rank0Checkpointer
 from service.state.checkpoint_io import CheckpointWriteError
 from service.telemetry.commtiming import AllreduceTimer, WaitClock, instrument
 from service.telemetry.metrics import BUCKETS, LABELS, PrometheusSink, StepReport
 from service.world.env import WorldInfo
+from service.world.preflight import check_against_world
 
 WORLD = WorldInfo("torchrun", rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
                   restart_count=2, run_id="job-7")  # fmt: skip
@@ -45,6 +45,7 @@ FAMILIES = {
     "ddp_train_samples_per_second": "gauge",
     "ddp_train_eval_metric": "gauge",
     "ddp_train_eval_value": "gauge",
+    "ddp_train_value": "gauge",
     "ddp_train_checkpoint_save_seconds": "histogram",
     "ddp_train_checkpoint_last_success_timestamp_seconds": "gauge",
     "ddp_train_checkpoint_failures": "counter",

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from service.config import ConfigError, build_config
+from service.loop.kept import Kept
 from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
 from service.loop.parallel import compile_in_place, unwrap
 from service.loop.precision import Precision, PrecisionStateError
 from service.loop.schedule import lr_factor
-from service.state.resume import Resumed, config_hash, incompatible_fields, restore
+from service.state.resume import config_hash, incompatible_fields
 
 CPU = torch.device("cpu")
 
@@ -115,6 +116,12 @@ def test_under_skip_an_fp16_overflow_at_scale_one_is_skipped_without_failing(tmp
     assert guard.skipped == 1
 
 
+def restore(state, model, optimizer, scheduler, scaler) -> None:  # noqa: ANN001
+    """A task job's four kept objects, loaded from ``state`` as a resume loads them (service.loop.kept)."""
+    kept = Kept(state, 0, 2, "step-4.pt")
+    kept.keep({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, False, "keep")
+
+
 def test_the_scaler_state_round_trips_exactly_through_restore():
     model, precision = _model(), _fp16()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -127,14 +134,13 @@ def test_the_scaler_state_round_trips_exactly_through_restore():
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": {"torch": torch.get_rng_state()}, "scaler": saved}  # fmt: skip
     fresh = _fp16()
-    restore(Resumed(4, Path("step-4.pt"), state, "disk", 0.0), _model(), optimizer, scheduler, 2, 16, fresh)
+    restore(state, _model(), optimizer, scheduler, fresh)
     assert fresh.state_dict() == saved
     fresh.scaler.scale(torch.ones(()))  # type: ignore[union-attr]  (the scale tensor is made at first use)
     assert fresh.scale == 32768.0
     # A checkpoint of a bf16/fp32 run (or an older one) holds None, or no entry: it loads without a scaler.
     for old in ({**state, "scaler": None}, {k: v for k, v in state.items() if k != "scaler"}):
-        restore(Resumed(4, Path("old.pt"), old, "disk", 0.0), _model(), optimizer, scheduler, 2, 16,
-                Precision.for_job("off", CPU))  # fmt: skip
+        restore(old, _model(), optimizer, scheduler, Precision.for_job("off", CPU))
 
 
 @pytest.mark.parametrize(

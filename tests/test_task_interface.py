@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from service.config import load_config
 from service.loop.batches import BatchError, checked_collate, leading_size, tensors, to_device
 from service.loop.optim import LRSchedule, build_optimizer, build_schedule
 from service.loop.steps import TaskInterfaceError, TaskStep
@@ -104,7 +105,7 @@ def test_a_schedule_steps_per_optimizer_step_and_a_plateau_one_after_each_evalua
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     task = _task(scheduler_fn=lambda opt, total: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0))
-    plateau = build_schedule(task, "mine", optimizer, 10, lambda: None)
+    plateau = build_schedule(task, "mine", optimizer, 10, load_config(None).train, lambda: None)
     plateau.step()  # a no-op: it needs the eval loss
     plateau.evaluated({"loss": 1.0})
     plateau.evaluated({"loss": 2.0})  # no better: the rate drops
@@ -115,7 +116,7 @@ def test_a_schedule_steps_per_optimizer_step_and_a_plateau_one_after_each_evalua
     other = torch.optim.SGD(model.parameters(), lr=1.0)
     foreign = _task(scheduler_fn=lambda opt, total: torch.optim.lr_scheduler.StepLR(other, 1))
     with pytest.raises(TaskInterfaceError, match="another optimizer"):
-        build_schedule(foreign, "mine", optimizer, 10, lambda: None)
+        build_schedule(foreign, "mine", optimizer, 10, load_config(None).train, lambda: None)
 
 
 MISTAKES = {

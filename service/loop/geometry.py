@@ -4,10 +4,10 @@ optimizer steps the whole run has."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from service.config import TrainConfig
 from service.loop.job import LoopState
-from service.loop.sampler import DataPlan
 
 log = logging.getLogger("service.loop.train")
 
@@ -27,8 +27,14 @@ def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
     return train.global_batch_size, train.global_batch_size // per_micro_step
 
 
-def plan_total_steps(plan: DataPlan, state: LoopState, train: TrainConfig) -> int:
-    """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it."""
+def plan_total_steps(plan: Any, state: LoopState, train: TrainConfig) -> int:
+    """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it.
+
+    ``plan``: a :class:`DataPlan` or a feed (:mod:`service.loop.feeds`); a stream without a length has no steps
+    per epoch, so ``train.max_steps`` is the whole run then (the feed refuses a stream without it).
+    """
+    if plan.steps_in_epoch(0) is None:
+        return int(train.max_steps or state.global_step)
     remaining = 0
     if state.epoch < train.epochs:
         remaining = plan.steps_in_epoch(state.cursor) + (train.epochs - state.epoch - 1) * plan.steps_in_epoch(0)

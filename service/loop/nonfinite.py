@@ -71,10 +71,11 @@ class NonfiniteGuard:
 
     @classmethod
     def for_job(cls, config: JobConfig, device: torch.device, total_steps: int,
-                precision: Precision | None = None) -> NonfiniteGuard:  # fmt: skip
-        """Checks at log steps, checkpoint steps and the last step: where the loop reads the device anyway."""
+                precision: Precision | None = None, grad_clip: float | None = None) -> NonfiniteGuard:  # fmt: skip
+        """Checks at log steps, checkpoint steps and the last step: where the loop reads the device anyway.
+        ``grad_clip``: what ``train.grad_clip`` resolved to for the task (:func:`service.loop.optim.clip_setting`)."""
         train = config.train
-        return cls(train.nonfinite, train.grad_clip, device, Path(config.run_dir) / "checkpoints",
+        return cls(train.nonfinite, grad_clip, device, Path(config.run_dir) / "checkpoints",
                    (train.log_every, config.checkpoint.every_steps), total_steps, precision)  # fmt: skip
 
     def step(self, params: list[Tensor], optimizer: torch.optim.Optimizer, step: int) -> None:

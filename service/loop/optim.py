@@ -8,6 +8,7 @@ value to step on: it steps after each evaluation, on the eval ``loss``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from service.config import TrainConfig
 from service.loop.steps import TaskInterfaceError
 from service.tasks.base import Task
+
+log = logging.getLogger("service.loop.train")
 
 
 def make_optimizer(params: Iterable[Tensor], train: TrainConfig) -> torch.optim.Optimizer:
@@ -70,9 +73,41 @@ class LRSchedule:
         self.scheduler.load_state_dict(state)
 
 
+def schedule_setting(task: Task, train: TrainConfig) -> str:
+    """What ``train.lr_schedule`` means for this task: ``auto`` is cosine over the service's own optimizer, and no
+    schedule (``constant``) over a task's own (``optimizer_fn``): a faithful port keeps its learning rate."""
+    if train.lr_schedule != "auto":
+        return train.lr_schedule
+    return "constant" if task.optimizer_fn is not None else "cosine"
+
+
+def clip_setting(task: Task, train: TrainConfig) -> float | None:
+    """What ``train.grad_clip`` means for this task: ``auto`` is 1.0 with the service's optimizer, no clipping with
+    a task's own."""
+    if train.grad_clip != "auto":
+        return train.grad_clip
+    return None if task.optimizer_fn is not None else 1.0
+
+
+def describe_defaults(task: Task, name: str, train: TrainConfig) -> float | None:
+    """Log, at start, the schedule and the clipping the service will apply and the keys that change them; return
+    the clipping (a max norm, or None)."""
+    clip = clip_setting(task, train)
+    if task.scheduler_fn is not None:
+        schedule = "the task's scheduler_fn"
+    else:
+        schedule = f"{schedule_setting(task, train)} (train.lr_schedule={train.lr_schedule})"
+    owner = "the task's optimizer_fn" if task.optimizer_fn is not None else f"the service's {train.optimizer}"
+    log.info("task %s: optimizer %s; LR schedule %s; gradient clipping %s (train.grad_clip=%s). Set "
+             "train.lr_schedule and train.grad_clip to change them.", name, owner, schedule,
+             f"at norm {clip:g}" if clip is not None else "off", train.grad_clip)  # fmt: skip
+    return clip
+
+
 def build_schedule(task: Task, name: str, optimizer: torch.optim.Optimizer, total_steps: int,
-                   default: Callable[[], Any]) -> LRSchedule:  # fmt: skip
-    """``task.scheduler_fn(optimizer, total_steps)``, checked; else ``default()``."""
+                   train: TrainConfig, default: Callable[[], Any]) -> LRSchedule:  # fmt: skip
+    """``task.scheduler_fn(optimizer, total_steps)``, checked; else ``default()``: the config's schedule, which
+    :func:`schedule_setting` resolves (no schedule over a task's own optimizer unless the config asks)."""
     if task.scheduler_fn is None:
         return LRSchedule(default())
     scheduler = task.scheduler_fn(optimizer, total_steps)

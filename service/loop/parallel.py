@@ -7,7 +7,6 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,8 +14,9 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from service.config import DDPConfig, TrainConfig
-from service.errors import backward, buffer_hint
+from service.errors import buffer_hint
 from service.loop.syncbn import convert_sync_batchnorm
+from service.loop.wrapped import ServiceDDP
 from service.world.env import EnvError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,10 @@ def wants_sync_batchnorm(setting: str, world_size: int) -> bool:
 
 def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: WorldInfo,
                device: torch.device) -> nn.Module:  # fmt: skip
-    """BatchNorm → SyncBatchNorm when asked, move to the device, compile when asked, then DDP (or DataParallel)."""
+    """BatchNorm → SyncBatchNorm when asked, move to the device, compile when asked, then DDP (or DataParallel).
+
+    The DDP wrapper is :class:`~service.loop.wrapped.ServiceDDP`: it settles DDP's buckets at the first forward of
+    every start (so a resume stays bit-exact at any world size) and marks the hang watchdog's progress record."""
     if train.strategy == "dp":
         return _data_parallel(model.to(device), world, device)
     if wants_sync_batchnorm(train.sync_batchnorm, world.world_size):
@@ -39,8 +42,9 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
-            return DistributedDataParallel(
+            return ServiceDDP(
                 model,
+                settle=world.world_size >= 3,  # the bucket layout decides the order of the sums only from 3 ranks
                 device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=ddp.find_unused_parameters,
                 # None keeps torch's default: 25 MiB buckets after a small first one, so the
@@ -67,34 +71,6 @@ def compile_in_place(model: nn.Module, backend: str) -> None:
     model.compile(backend=backend)
     log.info("train.compile: %s backend; the first step compiles the model (%.2f s to set up)", backend,
              time.perf_counter() - started)  # fmt: skip
-
-
-def settle_buckets(model: nn.Module, world_size: int, sample: Callable[[], Any],
-                   loss: Callable[[nn.Module, Any], torch.Tensor], autocast: Any) -> None:  # fmt: skip
-    """One backward of zeros through DDP before training, so every step of every start sees the same buckets.
-
-    DDP regroups its gradient buckets once, after a process's first backward, in the order the gradients
-    became ready. With 3 or more ranks the bucket layout decides in which order the all-reduce adds each
-    element across ranks, so a process that resumes at step k would reduce step k's gradients in the
-    initial layout while the uninterrupted run used the regrouped one: the weights would differ in the last
-    bits. This backward, on every start and before any real step, gives every real step the regrouped
-    layout. In eval mode (no BatchNorm statistics move, no dropout), under a forked RNG, with a loss of 0 and
-    the gradients dropped after: parameters, buffers, optimizer and RNG are as before. ``sample()`` gives one
-    batch on the model's device (one read of the dataset outside the loader), ``loss(model, batch)`` the
-    task's loss of it times zero (the same graph as a real step's); they are only called where
-    the order matters: 2 numbers add up the same in either order, so worlds of 1 and 2 skip all this.
-    """
-    if not isinstance(model, DistributedDataParallel) or world_size < 3:
-        return
-    was_training = model.training
-    model.eval()
-    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
-        batch = sample()  # a dataset may draw random numbers too
-        with autocast():
-            zero = loss(model, batch)
-    backward(zero)  # the in-place error gets its hint here too
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
 
 
 def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:

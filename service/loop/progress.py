@@ -55,7 +55,7 @@ STARTUP_GRACE = 10.0  # after a stop signal, before any step of this start is me
 class Progress:
     """One rank's step, phase and tick; written by the main thread, read by the watchdog's."""
 
-    __slots__ = ("step", "phase", "tick", "micro", "entered", "compiling", "_times", "_count")
+    __slots__ = ("step", "phase", "tick", "micro", "entered", "compiling", "forwards", "_times", "_count")
 
     def __init__(self, step: int = 0) -> None:
         self.step = step
@@ -64,6 +64,7 @@ class Progress:
         self.micro = 0
         self.entered = 0
         self.compiling = 0
+        self.forwards = 0  # forwards started in this step (the micro-steps of a task, a script's every model call)
         self._times = [0.0] * WINDOW
         self._count = 0
 
@@ -73,11 +74,21 @@ class Progress:
         self._count += 1
         self.step = step
         self.phase = BOUNDARY
-        self.micro = self.entered = 0
+        self.micro = self.entered = self.forwards = 0
 
     def mark(self, phase: str, micro: int = 0) -> None:
         """The main thread enters ``phase`` (of micro-step ``micro``); no collective entered in it yet."""
         self.phase, self.micro, self.entered = phase, micro, 0
+
+    def forward_started(self) -> None:
+        """A forward of a wrapped model begins (:class:`~service.loop.wrapped.ServiceDDP`): its own stage."""
+        self.phase, self.micro, self.entered = FORWARD, self.forwards, 0
+        self.forwards += 1
+        self.tick += 1
+
+    def forward_done(self) -> None:
+        """That forward returned: its backward (and the gradient all-reduce in it) comes next."""
+        self.phase, self.entered = BACKWARD, 0
 
     def collective(self) -> None:
         """This rank enters a collective of the current phase (SyncBatchNorm's all-reduce: forward or backward)."""

@@ -48,7 +48,7 @@ class Roles:
         self.sink.close()
 
 
-def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_hash: str,
+def build_roles(config: JobConfig, world: WorldInfo, total_steps: int | None, config_hash: str,
                 device_is_cuda: bool = False, resumed: Resumed | None = None,
                 lineage: str | None = None, backend: str = "none", terminal: bool = False,
                 snapshot_area: Area | None = None, startup: StartTimes | None = None) -> Roles:  # fmt: skip
@@ -56,6 +56,7 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int, config_ha
     and traces.
 
     ``terminal``: stderr is a terminal (read once at start): the bar then, else none (the log lines say as much).
+    ``total_steps``: None until the loop knows its data (``on_plan`` tells the sinks then).
     Which ranks' log lines print is the logger's level, set at start (:func:`~service.telemetry.logs.log_level`).
     """
     run_dir = Path(config.run_dir)

@@ -20,14 +20,25 @@ import torch
 from torch.utils.data import Sampler
 
 
-def epoch_order(length: int, seed: int, epoch: int) -> torch.Tensor:
-    """This epoch's order of the whole training set, the same on every rank and at every world size."""
+def epoch_order(length: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """This epoch's order of the whole training set, the same on every rank and at every world size; without
+    ``shuffle``, the dataset's own order."""
+    if not shuffle:
+        return torch.arange(length)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)  # seed 1 epoch 0 != seed 0 epoch 1
     return torch.randperm(length, generator=generator)
 
 
 def permutation(length: int, seed: int, epoch: int) -> list[int]:
     return epoch_order(length, seed, epoch).tolist()
+
+
+# What a step does with the end of an epoch too short for a whole global batch:
+# "fill": a last, smaller step, every rank in it (one without a sample runs a filler of weight 0: the task
+#   loop weights each micro-batch's loss); "drop": no last step (a session's drop_last=True); "keep": a last step
+#   when every rank gets at least one sample of it, else none (a session's drop_last=False: a script cannot
+#   weight a filler away, so none is ever handed out).
+TAILS = ("fill", "drop", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,8 @@ class DataPlan:
     world_size: int
     rank: int
     micro_steps: int
+    shuffle: bool = True
+    tail: str = "fill"
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -95,9 +108,17 @@ class DataPlan:
         if self.global_batch < 1 or self.micro_steps < 1:
             raise ValueError("global_batch and micro_steps must be at least 1")
 
+    @property
+    def end(self) -> int:
+        """Where an epoch's steps end: its length, or before a last step ``tail`` leaves out."""
+        remainder = self.length % self.global_batch
+        if not remainder or self.tail == "fill" or (self.tail == "keep" and remainder >= self.world_size):
+            return self.length
+        return self.length - remainder
+
     def steps_in_epoch(self, cursor: int = 0) -> int:
         """Optimizer steps left in an epoch whose cursor stands at ``cursor``."""
-        return math.ceil(max(0, self.length - cursor) / self.global_batch)
+        return math.ceil(max(0, self.end - cursor) / self.global_batch)
 
     def step(self, order: torch.Tensor, epoch: int, start: int) -> StepPlan:
         chunk = order[start : start + self.global_batch].tolist()
@@ -115,8 +136,8 @@ class DataPlan:
         """This rank's steps from ``cursor`` to the end of ``epoch``."""
         if not 0 <= cursor <= self.length:
             raise ValueError(f"cursor {cursor} is outside an epoch of {self.length} samples")
-        order = epoch_order(self.length, self.seed, epoch)  # a tensor: 8 bytes a sample, not a Python list
-        for start in range(cursor, self.length, self.global_batch):
+        order = epoch_order(self.length, self.seed, epoch, self.shuffle)  # a tensor: 8 bytes a sample
+        for start in range(cursor, self.end, self.global_batch):
             yield self.step(order, epoch, start)
 
 

@@ -23,7 +23,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, flo
     return floor + (1.0 - floor) * shape
 
 
-def lr_lambda(train: TrainConfig, total_steps: int) -> Callable[[int], float]:
-    """The job's schedule for ``LambdaLR``: fixed by the config and the run's total steps."""
+def lr_lambda(train: TrainConfig, total_steps: int, schedule: str | None = None) -> Callable[[int], float]:
+    """The job's schedule for ``LambdaLR``: fixed by the config and the run's total steps. ``schedule``: what
+    ``train.lr_schedule`` resolved to (``auto``: cosine)."""
     floor = train.min_lr / train.lr
-    return lambda step: lr_factor(step, total_steps, train.warmup_steps, train.lr_schedule, floor)
+    shape = schedule or (train.lr_schedule if train.lr_schedule != "auto" else "cosine")
+    return lambda step: lr_factor(step, total_steps, train.warmup_steps, shape, floor)

@@ -40,13 +40,14 @@ class TaskStep:
         self.size_of: Callable[[Any], int] = task.batch_size_fn or leading_size
         self._first = True
         self.loss = self._checked_loss
+        self._extras: dict[str, list[Any]] = {}  # the step's extra numbers, per micro-batch, until taken
 
     # ------------------------------------------------------------------ training
     def _loss(self, model: nn.Module, batch: Any) -> Any:
         task = self.task
         try:
             if task.step_fn is not None:
-                return task.step_fn(model, batch)
+                return self._split(task.step_fn(model, batch))
             inputs, targets = self._pair(batch)
             output = model(inputs)
             if self._first and not tensors(output):
@@ -58,6 +59,20 @@ class TaskStep:
             return task.loss_fn(output, targets)  # type: ignore[misc]
         except RuntimeError as exc:
             raise buffer_hint(exc) from exc
+
+    def _split(self, result: Any) -> Any:
+        """A step_fn's ``(loss, {name: value})``: the loss, with the numbers kept for the step's log line."""
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+            loss, extras = result
+            for name, value in extras.items():
+                self._extras.setdefault(str(name), []).append(value.detach() if isinstance(value, Tensor) else value)
+            return loss
+        return result
+
+    def take_extras(self) -> dict[str, Any]:
+        """The step's extra numbers (a step_fn's ``(loss, {name: value})``), each the mean over its micro-batches."""
+        extras, self._extras = self._extras, {}
+        return {name: values[0] if len(values) == 1 else sum(values) / len(values) for name, values in extras.items()}
 
     def _checked_loss(self, model: nn.Module, batch: Any) -> Tensor:
         """The first step's loss, checked; then :attr:`loss` is the plain call."""
@@ -74,8 +89,9 @@ class TaskStep:
         if isinstance(loss, tuple) or (isinstance(loss, list) and loss):
             raise TaskInterfaceError(
                 f"{fix} returned a {type(loss).__name__} of {len(loss)} items; it must return the loss alone, a "
-                "scalar tensor. For a model that returns (logits, loss), return its loss: "
-                "step_fn=lambda model, batch: model(batch['idx'], batch['targets'])[1]."
+                "scalar tensor, or (loss, {name: number}) to log more numbers beside it. For a model that returns "
+                "(logits, loss), return its loss: step_fn=lambda model, batch: model(batch['idx'], "
+                "batch['targets'])[1]."
             )
         if not isinstance(loss, Tensor):
             attribute = " (a model output with .loss: return output.loss)" if hasattr(loss, "loss") else ""
@@ -104,18 +120,6 @@ class TaskStep:
             f"{f' of {len(batch)} items' if isinstance(batch, (tuple, list)) else ''}. Give the task a "
             "step_fn(model, batch) that calls the model the way your code does and returns the mean loss."
         )
-
-    def settle_loss(self, model: nn.Module, batch: Any) -> Tensor:
-        """A loss of the same graph as a real step's, times zero: for DDP's bucket settling before training."""
-        try:
-            if self.task.step_fn is not None:
-                loss = self.task.step_fn(model, batch)
-                return loss * 0 if isinstance(loss, Tensor) else torch.zeros(())
-            output = model(self._pair(batch)[0])
-        except RuntimeError as exc:
-            raise buffer_hint(exc) from exc
-        parts = [tensor.float().sum() for tensor in tensors(output) if tensor.requires_grad]
-        return torch.stack(parts).sum() * 0 if parts else torch.zeros(())
 
     def count_tokens(self, micro: list[Any], reals: list[int]) -> int:
         """Tokens in one step's real samples, from the loader's host tensors; 0 without ``tokens_fn``.
@@ -168,7 +172,8 @@ class TaskStep:
         count = self._count(batch)
         if task.step_fn is not None:
             with autocast():
-                loss = task.step_fn(module, batch)
+                loss = self._split(task.step_fn(module, batch))
+            self._extras.clear()  # the training step's numbers only
             return {"loss": loss.double() * count}, count
         inputs, targets = self._pair(batch)
         with autocast():

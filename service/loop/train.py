@@ -1,202 +1,158 @@
-"""The training loop: build the job once, then epochs → optimizer steps → micro-steps.
+"""The built-in loop for a ``Task``: build it on a :class:`~service.loop.runtime.Runtime`, then epochs → optimizer
+steps → micro-steps, with evaluations.
 
-Nothing in here asks for its rank: the per-rank behaviour lives in the
-:class:`~service.loop.roles.Roles` objects built before the loop starts.
+It is written on the same primitives as a script's own loop (:class:`service.Session`): the runtime wraps the
+model, keeps ``model``, ``optimizer``, ``scheduler``, ``scaler`` (and the task's ``state``), and walks the steps
+(:func:`service.loop.stepping.steps`), whose boundary saves, logs and stops; what is the task loop's own is its
+step (micro-batches, their weights, ``no_sync``, AMP, clipping, the optimizer and schedule) and its evaluations.
+Nothing in here asks for its rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from service.config import JobConfig
 from service.loop.batches import checked_collate, to_device
-from service.loop.data import eval_loader, train_loader
-from service.loop.geometry import batch_geometry, plan_total_steps
-from service.loop.job import Job, LoopState, checkpoint_state, make_summary
+from service.loop.data import eval_loader
+from service.loop.feeds import MapFeed, StreamFeed, is_stream
+from service.loop.geometry import batch_geometry, plan_total_steps  # noqa: F401 (plan_total_steps: re-exported)
 from service.loop.nonfinite import NonfiniteGuard
-from service.loop.optim import build_optimizer, build_schedule, make_optimizer
-from service.loop.parallel import settle_buckets, unwrap, wrap_model
+from service.loop.optim import (
+    LRSchedule,
+    build_optimizer,
+    build_schedule,
+    describe_defaults,
+    make_optimizer,
+    schedule_setting,
+)
+from service.loop.parallel import unwrap
 from service.loop.precision import Precision
-from service.loop.progress import BACKWARD, CHECKPOINT, DATA, EVAL, FORWARD, OPTIMIZER, Progress
-from service.loop.roles import build_roles
+from service.loop.progress import CHECKPOINT, EVAL, OPTIMIZER, Progress
+from service.loop.runtime import Runtime
 from service.loop.sampler import DataPlan, StepPlan
 from service.loop.schedule import lr_lambda
+from service.loop.stepping import Hooks, seed_step, step_seed, steps  # noqa: F401 (step_seed, seed_step: re-exported)
 from service.loop.steps import TaskInterfaceError, TaskStep
-from service.loop.syncbn import tick_collectives
-from service.loop.watchdog import Watchdog
-from service.state.consistency import check_same_config
-from service.state.preemption import Preemption
-from service.state.resume import (
-    agree_on_checkpoint,
-    check_compatible,
-    config_hash,
-    fresh_lineage,
-    job_lineage,
-    restore,
-)
-from service.state.snapshot import node_area
 from service.state.weights import init_model
+from service.tasks.base import Task
 from service.tasks.loader import load_task
-from service.telemetry.goodput import StartTimes
-from service.telemetry.metrics import EvalReport, StepReport
-from service.world.distributed import DistContext, any_rank, sum_across
-from service.world.env import WorldInfo
+from service.telemetry.metrics import EvalReport
+from service.world.distributed import all_agree
 
 log = logging.getLogger(__name__)
 
 
-def build_job(config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption | None = None,
-              terminal: bool = False) -> Job:  # fmt: skip
-    """The job of this start; ``preemption``: the handlers the command installed first thing (else new ones);
-    ``terminal``: stderr is a terminal (rank 0 draws a progress bar)."""
+@dataclasses.dataclass(frozen=True)
+class TaskJob:
+    """What a task's step needs, built once by :func:`build_job` on a runtime."""
+
+    runtime: Runtime
+    task: Task
+    step: TaskStep
+    eval_names: list[str]
+    model: nn.Module
+    params: list[torch.Tensor]  # the model's, listed once: walking its modules every step costs ~50 µs
+    optimizer: torch.optim.Optimizer
+    scheduler: LRSchedule
+    feed: MapFeed | StreamFeed
+    eval_loader: Any
+    nonfinite: NonfiniteGuard
+    precision: Precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def progress(self) -> Progress:
+        return self.runtime.progress
+
+    @property
+    def roles(self) -> Any:
+        return self.runtime.roles
+
+    @property
+    def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
+        return self.precision.autocast
+
+
+def task_feed(rt: Runtime, task: Task, collate: Callable[[list[Any]], Any]) -> MapFeed | StreamFeed:
+    """The task's training data: its global batch and micro-steps at this world size (decided at every start)."""
+    config, world = rt.config, rt.world
     global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
-    check_same_config(config, world.world_size, dist_ctx.control)
-    preemption = preemption or Preemption()
-    preemption.connect(any_rank(dist_ctx.control))
-    torch.manual_seed(config.seed)
+    if is_stream(task.train_set):
+        if micro_steps != 1:
+            raise TaskInterfaceError(
+                f"The task {config.task!r} trains on a stream, which gives one batch of train.batch_size per rank "
+                "and step; gradient accumulation over a stream is not supported. Leave train.grad_accum and "
+                "train.global_batch_size unset."
+            )
+        return StreamFeed(task.train_set, config.train.batch_size, world.world_size, world.rank, config.data,
+                          config.seed, collate, all_agree(rt.control))  # fmt: skip
+    plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
+    return MapFeed(task.train_set, plan, config.data, config.seed, collate)
+
+
+def build_job(rt: Runtime) -> TaskJob:
+    """Load the task, wrap its model, build its optimizer and schedule, and keep them (restored on a resume)."""
+    config, train = rt.config, rt.config.train
     task = load_task(config.task, config.seed, config.task_options)
     step = TaskStep(task, config.task)
     collate = task.collate_fn or checked_collate(config.task)
-    train = config.train
-    checkpoints = Path(config.run_dir) / "checkpoints"
-    own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
-    area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id)
-    agreeing = time.perf_counter()  # the resume's time, for the goodput ledger: the agreement (it loads) and restore
-    resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, dist_ctx.control,
-                                  config.checkpoint.resume, own, area.readable() if area else None)  # fmt: skip
-    restore_seconds = time.perf_counter() - agreeing if resumed is not None else 0.0
-    # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank writes it
-    # (a survivor of a lost node writes the next ones; its restarts under resume=never look for this one).
-    lineage = own or (resumed.state.get("lineage") if resumed else fresh_lineage(dist_ctx.control))
-    digest = config_hash(config)
-    if resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
+    feed = task_feed(rt, task, collate)
+    if rt.resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
-    model = wrap_model(task.model, train, config.ddp, world, dist_ctx.device)
-    if resumed is not None:
-        check_compatible(resumed, config)
-    state = LoopState(**resumed.state["loop"]) if resumed else LoopState()
-    plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
-    total_steps = plan_total_steps(plan, state, train)
+    model = rt.model(task.model, call="the task's model")
     module = unwrap(model)
+    total_steps = rt.plan(feed)
     optimizer = build_optimizer(task, config.task, module, lambda: make_optimizer(model.parameters(), train))
-    scheduler = build_schedule(task, config.task, optimizer, total_steps,
-                               lambda: LambdaLR(optimizer, lr_lambda(train, total_steps)))  # fmt: skip
-    precision = Precision.for_job(train.amp, dist_ctx.device)
-    if resumed is not None:
-        restoring = time.perf_counter()
-        restore(resumed, module, optimizer, scheduler, world.world_size, global_batch, precision)
-        restore_seconds += time.perf_counter() - restoring
-    one_sample = lambda dataset: to_device(collate([dataset[0]]), dist_ctx.device)  # noqa: E731
-    # Resume stays bit-exact at any world size: DDP's buckets settle before the first real step.
-    settle_buckets(model, world.world_size, lambda: one_sample(task.train_set), step.settle_loss, precision.autocast)
-    eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
-    loader, sampler = train_loader(task.train_set, plan, config.data, config.seed, collate)
-    roles = build_roles(
-        config,
-        world,
+    scheduler = build_schedule(
+        task,
+        config.task,
+        optimizer,
         total_steps,
-        digest,
-        dist_ctx.is_cuda,
-        resumed,
-        lineage,
-        dist_ctx.backend,
-        terminal,
-        area,
-        StartTimes.of(dist_ctx.began, dist_ctx.up, restore_seconds, state.global_step),
+        train,
+        lambda: LambdaLR(optimizer, lr_lambda(train, total_steps, schedule_setting(task, train))),
     )
-    progress = Progress(state.global_step)
-    tick_collectives(model, progress.collective)
-    job = Job(
-        config=config,
-        world=world,
-        device=dist_ctx.device,
-        task=task,
-        step=step,
-        eval_names=eval_names,
-        model=model,
-        params=list(model.parameters()),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        plan=plan,
-        sampler=sampler,
-        loader=loader,
-        eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, world, collate),
-        roles=roles,
-        preemption=preemption,
-        nonfinite=NonfiniteGuard.for_job(config, dist_ctx.device, total_steps, precision),
-        barrier=lambda: dist.barrier(group=dist_ctx.control),
-        state=state,
-        resumed=resumed,
-        total_steps=total_steps,
-        world_sum=sum_across(dist_ctx.control),
-        precision=precision,
-        config_json=config.model_dump(mode="json"),
-        config_digest=digest,
-        progress=progress,
-        lineage=lineage,
-        # os._exit skips the loop's clean-up: on the last attempt the watchdog removes the snapshots itself
-        watchdog=Watchdog.for_job(
-            config,
-            world,
-            dist_ctx,
-            progress,
-            preemption,
-            roles.sink,
-            roles.snapshots.abandon if last_attempt(world) else lambda: None,
-        ),
-    )
-    job.roles.checkpointer.preflight(unwrap(model))  # rank 0: room for a checkpoint, before any training
-    job.roles.snapshots.preflight(unwrap(model))  # each node's local rank 0: room in shared memory, or none kept
-    job.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
-    job.roles.sink.instrument(model)  # e.g. a comm hook that times DDP's all-reduce
-    return job
+    grad_clip = describe_defaults(task, config.task, train)
+    precision = Precision.for_job(train.amp, rt.device)
+    rt.keep({"model": module, "optimizer": optimizer, "scheduler": scheduler, "scaler": precision, **task.state},
+            call="the task's state")  # fmt: skip
+    nonfinite = NonfiniteGuard.for_job(config, rt.device, total_steps, precision, grad_clip)
+    rt.nonfinite = nonfinite
+    one_sample = lambda dataset: to_device(collate([dataset[0]]), rt.device)  # noqa: E731
+    eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
+    rt.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
+    return TaskJob(
+        runtime=rt, task=task, step=step, eval_names=eval_names, model=model, params=list(model.parameters()),
+        optimizer=optimizer, scheduler=scheduler, feed=feed,
+        eval_loader=eval_loader(task.eval_set, train.batch_size, config.data, rt.world, collate),
+        nonfinite=nonfinite, precision=precision,
+    )  # fmt: skip
 
 
-def last_attempt(world: WorldInfo) -> bool:
-    """No restart of this node's workers will come: what this start leaves in shared memory, nobody reads."""
-    return world.restart_count >= world.max_restarts
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed of one optimizer step on one rank: dropout and augmentation replay exactly on resume."""
-    return ((seed * 1_000_003 + step) * 7_919 + rank) % 2**32
-
-
-def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
-    """Seed torch (this device's generator too), ``random`` and numpy; about 5 µs, so every step can."""
-    value = step_seed(seed, step, rank)
-    torch.default_generator.manual_seed(value)  # torch.manual_seed visits every backend: 60 µs
-    if device.type == "cuda":
-        torch.cuda.manual_seed(value)
-    random.seed(value)
-    np.random.seed(value)
-
-
-def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int) -> Tensor:
+def optimizer_step(job: Any, plan: StepPlan, micro_batches: list[Any], step: int) -> Tensor:
     """Forward/backward each micro-batch (gradient sync only on the last), then one optimizer step.
 
     Each micro-batch's mean loss is scaled by its plan weight, so the gradient
     DDP averages is the mean over every sample of the global step. Returns the
-    step's loss (a detached tensor: no host sync here).
+    step's loss (a detached tensor: no host sync here). The wrapped model marks
+    the forward and backward of each micro-step on the progress record.
     """
     model, count, loss_of, progress = job.model, len(micro_batches), job.step.loss, job.progress
     loss_sum = torch.zeros((), device=job.device)
     for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
-        progress.tick += 1
-        progress.mark(FORWARD, index)
         batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
         sync = model.no_sync() if not last and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
@@ -205,7 +161,6 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
                 loss = loss_of(model, batch)
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
-            progress.mark(BACKWARD, index)  # this rank reached its backward and the all-reduce in it
             job.precision.backward(loss)  # scaled under fp16
         loss_sum += loss.detach()
     progress.mark(OPTIMIZER)
@@ -216,115 +171,14 @@ def optimizer_step(job: Job, plan: StepPlan, micro_batches: list[Any], step: int
     return loss_sum
 
 
-class _Window:
-    """Loss and throughput between two log lines; read from the device once per window.
-
-    At each log step (the same steps on every rank) one all-reduce of host
-    numbers (``world_sum``, on the control group) adds the world's loss and
-    throughput to this rank's own: no device sync besides the window's one read.
-    """
-
-    def __init__(self, device: torch.device, world_sum: Callable[[list[float]], list[float]]) -> None:
-        self.device = device
-        self.world_sum = world_sum
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.steps = 0
-        self.samples = 0
-        self.started = time.perf_counter()
-
-    def add(self, loss: Tensor, samples: int) -> None:
-        self.loss += loss
-        self.steps += 1
-        self.samples += samples
-
-    def report(self, job: Job, state: LoopState) -> StepReport:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        loss_sum, steps, rate = self.loss.item(), max(1, self.steps), self.samples / elapsed
-        world_loss_sum, world_steps, world_rate = self.world_sum([loss_sum, steps, rate])
-        report = StepReport(
-            global_step=state.global_step,
-            total_steps=job.total_steps,
-            epoch=state.epoch,
-            loss=loss_sum / steps,
-            lr=job.optimizer.param_groups[0]["lr"],
-            samples_seen=state.samples_seen,
-            rank_samples_per_second=rate,
-            world_loss=world_loss_sum / world_steps,
-            world_samples_per_second=world_rate,
-            seconds_per_step=elapsed / steps,
-        )
-        self.reset()
-        return report
-
-
-def train_epoch(job: Job, state: LoopState, window: _Window, evals: list[EvalReport | None]) -> str:
-    """Steps from the cursor to the end of the epoch; returns why it stopped.
-
-    With ``train.eval_every``, evaluates every that many optimizer steps (but
-    the last, which :func:`train` evaluates), appending to ``evals``.
-
-    ``"epoch"``: the epoch is done; ``"steps"``: ``total_steps`` reached;
-    ``"preempted"``: a rank was signalled (the step that just ran is kept);
-    ``"lock_lost"``: rank 0 lost the run_dir lock (nothing more is saved).
-    """
-    if state.global_step >= job.total_steps:
-        return "steps"
-    progress = job.progress
-    progress.mark(DATA)
-    job.model.train()
-    job.sampler.position(state.epoch, state.cursor)
-    batches = iter(job.loader)
-    log_every, eval_every, roles, seed = job.config.train.log_every, job.config.train.eval_every, job.roles, \
-        job.config.seed  # fmt: skip
-    for plan in job.plan.steps(state.epoch, state.cursor):
-        started = time.perf_counter()  # host timers only: no device sync for the metrics
-        progress.mark(DATA)
-        micro = [next(batches) for _ in plan.micro]
-        fetched = time.perf_counter()
-        seed_step(seed, state.global_step, job.world.rank, job.device)
-        loss = optimizer_step(job, plan, micro, state.global_step + 1)
-        state.global_step += 1
-        progress.stepped(state.global_step, time.perf_counter() - started)
-        job.nonfinite.check(state.global_step)
-        state.cursor = plan.end
-        state.samples_seen += plan.size
-        reals = [part.real for part in plan.micro]
-        rank_samples = sum(reals)
-        window.add(loss, rank_samples)
-        tokens = job.step.count_tokens(micro, reals)
-        roles.sink.on_step(rank_samples, time.perf_counter() - started, fetched - started, tokens)
-        roles.trace.record(plan, state.global_step)
-        if state.global_step % log_every == 0:
-            roles.sink.on_report(window.report(job, state))
-        if stop := job.preemption.stop_now():
-            return stop
-        if eval_every and state.global_step % eval_every == 0 and state.global_step < job.total_steps:
-            evals.append(evaluate(job, state))
-            keep_if_best(job, state, evals[-1])  # checkpoint.best
-            job.model.train()
-            if stop := job.preemption.stop_here():  # a signal during the evaluation
-                return stop
-        progress.mark(CHECKPOINT)
-        saving = time.perf_counter()
-        roles.checkpointer.maybe_save(state.global_step, lambda: checkpoint_state(job, state))
-        roles.snapshots.capture(state.global_step, lambda: checkpoint_state(job, state, checked=False))
-        roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
-        if state.global_step >= job.total_steps:
-            return "epoch" if state.cursor >= job.plan.length else "steps"
-    return "epoch"
-
-
 @torch.no_grad()
-def evaluate(job: Job, state: LoopState) -> EvalReport | None:
+def evaluate(job: TaskJob) -> EvalReport | None:
     """Each eval value's mean over the whole eval set, summed across ranks; None for an empty eval set.
 
     Runs the unwrapped model: DDP's forward would broadcast buffers, a collective
     that ranks with different shard lengths would not all join.
     """
-    names, started = job.eval_names, time.perf_counter()
+    rt, names, started = job.runtime, job.eval_names, time.perf_counter()
     if not names:
         return None
     model, progress = unwrap(job.model), job.progress
@@ -336,7 +190,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
         sums, count = job.step.eval_values(model, to_device(batch, job.device), job.autocast)
         if list(sums) != names:
             raise TaskInterfaceError(
-                f"The eval_fn of task {job.config.task!r} returned the values {list(sums)} for one batch and "
+                f"The eval_fn of task {rt.config.task!r} returned the values {list(sums)} for one batch and "
                 f"{names} for the first; it must return the same names for every batch."
             )
         totals[:-1] += torch.stack(list(sums.values()))
@@ -344,6 +198,7 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     dist.all_reduce(totals)
     samples = max(totals[-1].item(), 1.0)
     means = {name: value / samples for name, value in zip(names, totals[:-1].tolist(), strict=True)}
+    state = rt.state
     report = EvalReport(epoch=state.epoch, global_step=state.global_step, metrics=means,
                         metric_name=job.step.headline(names))  # fmt: skip
     job.scheduler.evaluated(means)
@@ -351,62 +206,91 @@ def evaluate(job: Job, state: LoopState) -> EvalReport | None:
     return report
 
 
-def keep_if_best(job: Job, state: LoopState, report: EvalReport | None) -> None:
-    """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
-    if report is not None:
-        job.progress.mark(CHECKPOINT)
-        job.roles.checkpointer.on_eval(state.global_step, report.metrics, lambda: checkpoint_state(job, state))
+class TaskLoop:
+    """The task loop's additions at the step boundary: its evaluations and ``checkpoint.best`` of them."""
+
+    def __init__(self, job: TaskJob) -> None:
+        self.job = job
+        self.evals: list[EvalReport | None] = []
+        train = job.runtime.config.train
+        self.eval_every, self.every_epoch = train.eval_every, train.eval_every is None
+
+    def hooks(self) -> Hooks:
+        return Hooks(stepped=self.job.nonfinite.check, boundary=self.boundary, epoch_start=self.train_mode,
+                     epoch_end=self.epoch_end, after_epoch=self.after_epoch)  # fmt: skip
+
+    def train_mode(self) -> None:
+        self.job.model.train()
+
+    def boundary(self) -> str | None:
+        """``train.eval_every``: evaluate every that many optimizer steps (but the last, which the end evaluates)."""
+        rt = self.job.runtime
+        step = rt.state.global_step
+        if not self.eval_every or step % self.eval_every or step >= rt.total_steps:
+            return None
+        self.evals.append(evaluate(self.job))
+        self.keep_if_best(self.evals[-1])
+        self.job.model.train()
+        return rt.preemption.stop_here()  # a signal during the evaluation
+
+    def epoch_end(self, final: bool) -> None:
+        self._evaluated = self.every_epoch or final
+        if self._evaluated:
+            self.evals.append(evaluate(self.job))
+
+    def after_epoch(self) -> None:
+        if self._evaluated:  # checkpoint.best, once the epoch's end is in the state (a resume starts the next one)
+            self.keep_if_best(self.evals[-1])
+
+    def keep_if_best(self, report: EvalReport | None) -> None:
+        """``checkpoint.best``: rank 0 keeps this step's checkpoint when its evaluation is the best so far."""
+        if report is not None:
+            rt = self.job.runtime
+            rt.progress.mark(CHECKPOINT)
+            rt.gather_own()
+            rt.roles.checkpointer.on_eval(rt.state.global_step, report.metrics, rt.checkpoint_state)
+
+    def summary(self) -> dict[str, Any]:
+        """The task loop's entries of summary.json: its last evaluation."""
+        report = self.evals[-1] if self.evals else None
+        step = self.job.step
+        return {
+            "final_loss": report.loss if report else None,
+            "eval_metric": {"name": step.headline(self.job.eval_names), "value": report.metric if report else None},
+            "eval_metrics": dict(report.metrics) if report else {},
+        }
 
 
-def train(job: Job) -> dict[str, Any]:
+def train(job: TaskJob) -> dict[str, Any]:
     """Run from where the job stands to ``total_steps``, evaluating after each epoch (or every
     ``train.eval_every`` steps) and at the end; stop early if preempted."""
-    started = time.perf_counter()
-    state, window, status = job.state, _Window(job.device, job.world_sum), "completed"
-    evals: list[EvalReport | None] = []
-    every_epoch = job.config.train.eval_every is None
-    start_samples = state.samples_seen
-    job.watchdog.start()
+    rt, loop = job.runtime, TaskLoop(job)
+    step = job.step
     try:
-        while True:
-            if stop := job.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
-                status = stop
-                break
-            outcome = train_epoch(job, state, window, evals)
-            if outcome in ("preempted", "lock_lost"):
-                status = outcome
-                break
-            if outcome == "epoch":
-                state.epochs_completed += 1
-            evaluated = every_epoch or state.global_step >= job.total_steps
-            if evaluated:
-                evals.append(evaluate(job, state))
-            if outcome == "epoch":
-                state.epoch, state.cursor = state.epoch + 1, 0
-            if evaluated:  # checkpoint.best, once the epoch's end is in the state (a resume starts the next one)
-                keep_if_best(job, state, evals[-1])
-            if state.global_step >= job.total_steps:
-                break
-        job.progress.mark(CHECKPOINT)
-        saving = time.perf_counter()
-        job.roles.checkpointer.save(state.global_step, lambda: checkpoint_state(job, state))
-        job.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
-        if status == "preempted":
-            job.barrier()  # nobody leaves before rank 0's checkpoint of this step is on disk
-        job.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now
+        for fed in steps(rt, job.feed, loop.hooks(), why="the task loop's first step"):
+            loss = optimizer_step(job, fed.plan, fed.batches, rt.state.global_step + 1)
+            rt.log({"loss": loss, **step.take_extras()}, call="the task's step_fn")
+            fed.tokens = step.count_tokens(fed.batches, [part.real for part in fed.plan.micro])
+        return rt.finish(rt.stopped or "completed", loop.summary())
     except Exception as exc:
-        if last_attempt(job.world):  # no restart of this node will come for them
-            job.roles.snapshots.discard()
-        seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
-        report = evals[-1] if evals else None
-        failed = make_summary(job, state, report, seconds, trained, "failed", error=f"{type(exc).__name__}: {exc}")
-        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
-            job.roles.summary.write(failed)
+        rt.fail(exc, loop.summary())
         raise
-    finally:
-        job.watchdog.stop()
-    seconds, trained = time.perf_counter() - started, state.samples_seen - start_samples
-    last = evals[-1] if evals else None
-    summary = make_summary(job, state, last, seconds, trained, status, error=job.preemption.lock_lost)
-    job.roles.summary.write(summary)
-    return summary
+
+
+def run_task(rt: Runtime) -> dict[str, Any]:
+    """``ddp-service train``: build the configured task on this start and train it."""
+    return train(build_job(rt))
+
+
+__all__ = [
+    "TaskJob",
+    "batch_geometry",
+    "build_job",
+    "evaluate",
+    "optimizer_step",
+    "plan_total_steps",
+    "run_task",
+    "seed_step",
+    "step_seed",
+    "train",
+]

@@ -41,9 +41,9 @@ from typing import Any
 
 from service.config import ConfigError, JobConfig, load_config
 from service.ops.launch_signals import EarlySignals, Signalled, handled_signals, raise_signalled, restore_signals
-from service.ops.preflight import check_against_world
 from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
 from service.world.env import WorldInfo
+from service.world.preflight import check_against_world
 
 log = logging.getLogger("service.ops.launcher")
 

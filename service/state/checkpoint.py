@@ -51,8 +51,8 @@ class Checkpointer:
     def __init__(self, best_rule: BestRule | None = None) -> None:
         self.best_rule = best_rule
 
-    def preflight(self, model: torch.nn.Module) -> None:
-        """Before training: is there room for a checkpoint of this model?"""
+    def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
+        """Before training: is there room for a checkpoint of this model (or of these kept modules)?"""
 
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         """Called at every optimizer step; also reports a background save that failed."""
@@ -75,6 +75,12 @@ class Checkpointer:
         """After each evaluation (``results``: name → value): keep this step's checkpoint if it is the best so far."""
         if self.best_rule is not None:
             self.best_rule.value_of(results)  # an unknown metric fails on every rank at the first evaluation
+
+
+def state_bytes(model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> int:
+    """Bytes of the state dict of a module, or of every module of a mapping (a loop's kept modules)."""
+    modules = [model] if isinstance(model, torch.nn.Module) else list(model.values())
+    return sum(t.numel() * t.element_size() for module in modules for t in module.state_dict().values())
 
 
 class StagingBuffer:
@@ -154,9 +160,9 @@ class Rank0Checkpointer(Checkpointer):
         log.info("best checkpoint so far: step %d, %s %.6g", record.step, record.metric, record.value)
         return record
 
-    def preflight(self, model: torch.nn.Module) -> None:
+    def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
         """Refuse to start when the next checkpoint cannot fit: the model, and up to two optimizer slots per weight."""
-        need = 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        need = 3 * state_bytes(model)
         free = shutil.disk_usage(nearest_existing(self.directory)).free
         if free < need:
             raise CheckpointWriteError(

@@ -43,7 +43,16 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8})\.(pt|json)$")
 _MAX_MANIFEST_BYTES = 64 * 1024
-REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "loop", "rng", "config")
+REQUIRED_KEYS = ("format", "loop", "rng", "config")  # and each kept object it names (``kept``)
+TASK_KEPT_KEYS = ("model", "optimizer", "scheduler")  # what a checkpoint written before ``kept`` always held
+
+
+def missing_keys(state: dict[str, Any]) -> list[str]:
+    """The entries a ddp-service checkpoint of this format must have and ``state`` lacks: the loop's own, and each
+    kept object its ``kept`` list names (one without that list: a task job's model, optimizer and scheduler)."""
+    kept = state.get("kept", TASK_KEPT_KEYS)
+    names = [*REQUIRED_KEYS, *(kept if isinstance(kept, (list, tuple)) else ["kept (a list of names)"])]
+    return [key for key in names if not isinstance(key, str) or key not in state]
 
 
 class CheckpointError(RuntimeError):
@@ -325,7 +334,7 @@ def load_state(payload: bytes, source: str) -> dict[str, Any]:
     if not payload.startswith(b"PK\x03\x04"):
         raise ValueError(f"{source} is not a torch checkpoint (torch.save writes a zip archive)")
     state = load_tensors(payload, source)
-    if not isinstance(state, dict) or state.get("format") != FORMAT or any(k not in state for k in REQUIRED_KEYS):
+    if not isinstance(state, dict) or state.get("format") != FORMAT or missing_keys(state):
         raise ValueError(f"{source} is not a ddp-service checkpoint of format {FORMAT}")
     return state
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from service.config import JobConfig
 from service.state.resume import training_fields
-from service.world.distributed import bytes_to_tensor, tensor_to_bytes
+from service.world.distributed import all_gather_bytes
 
 # A config error: torchrun retries any failed worker group up to --max-restarts, and each retry
 # stops here again in seconds, before a step or a write; wrappers read 2 as "fix the input, do not requeue".
@@ -28,17 +25,6 @@ class ConfigMismatchError(RuntimeError):
     """Ranks of one world run different training configs."""
 
     exit_code = EXIT_CONFIG_MISMATCH
-
-
-def gather_json(payload: bytes, world_size: int, group: Any) -> list[bytes]:
-    """Every rank's bytes, in rank order: sizes first, then one padded uint8 all-gather."""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(item.item()) for item in sizes)
-    buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(buffers, bytes_to_tensor(payload, longest), group=group)
-    return [tensor_to_bytes(buffer, int(n.item())) for buffer, n in zip(buffers, sizes, strict=True)]
 
 
 def differences(fields: list[dict[str, Any]]) -> list[str]:
@@ -61,7 +47,7 @@ def check_same_config(config: JobConfig, world_size: int, group: Any) -> None:
     if world_size == 1:
         return
     local = json.dumps(training_fields(config), sort_keys=True).encode()
-    fields = [json.loads(blob) for blob in gather_json(local, world_size, group)]
+    fields = [json.loads(blob) for blob in all_gather_bytes(local, group, world_size)]
     mismatch = differences(fields)
     if mismatch:
         raise ConfigMismatchError(

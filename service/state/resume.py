@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # Keys that may differ between a checkpoint's config and the resuming one (README, "Resume").
 MUTABLE = (
     "run_dir", "metrics", "checkpoint", "dist", "train.log_every", "train.progress_bar",
-    "data.num_workers", "data.pin_memory", "data.trace", "ddp.bucket_cap_mb", "ddp.find_unused_parameters",
+    "data.num_workers", "data.pin_memory", "data.trace", "data.stream_resume", "ddp.bucket_cap_mb",
+    "ddp.find_unused_parameters",
     "train.nonfinite", "init_from", "logging", "train.compile",
 )  # fmt: skip
 
@@ -216,26 +217,3 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def restore(resumed: Resumed, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-            world_size: int, global_batch: int, scaler: Any = None) -> None:  # fmt: skip
-    """Load a checkpoint's model, optimizer, scheduler, gradient scaler and RNG into a freshly built job, on every rank.
-
-    ``scaler``: the job's precision (``load_state_dict`` checks the checkpoint's ``scaler`` entry, which a
-    checkpoint without one, bf16/fp32 or of an older version, holds as None or lacks).
-    """
-    state = resumed.state
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None:
-        scaler.load_state_dict(state.get("scaler"), str(resumed.file))
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    saved_world, saved_batch = state.get("world_size"), state.get("global_batch")
-    if saved_batch is not None and saved_batch != global_batch:
-        log.warning("the global batch changes from %d (world size %s) to %d (world size %d) at step %d; set "
-                    "train.global_batch_size to keep it constant across resizes", saved_batch, saved_world,
-                    global_batch, world_size, resumed.step)  # fmt: skip

@@ -45,7 +45,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from service.state.checkpoint import StagingBuffer
+from service.state.checkpoint import StagingBuffer, state_bytes
 from service.state.checkpoint_io import prune, read_small, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ class Snapshots:
     written = 0
     skipped = 0
 
-    def preflight(self, model: torch.nn.Module) -> None:
-        """Before training: is there room in shared memory for two snapshots of this model?"""
+    def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
+        """Before training: is there room in shared memory for two snapshots of this model (these kept modules)?"""
 
     def capture(self, global_step: int, state: StateFn) -> None:
         """Called after every optimizer step: start a snapshot of this step when one is due."""
@@ -199,7 +199,7 @@ class SnapshotWriter(Snapshots):
         self.cuda = cuda
         self.written = self.skipped = 0
         self.enabled = True
-        self._buffers: frozenset[str] = frozenset()
+        self._buffers: dict[str, frozenset[str]] = {}
         self._staging = StagingBuffer(pin=cuda)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._inflight: Future | None = None
@@ -208,9 +208,10 @@ class SnapshotWriter(Snapshots):
         self._ready: Any = None  # on CUDA: the side stream's event after the copy
         self._side = torch.cuda.Stream() if cuda else None
 
-    def preflight(self, model: torch.nn.Module) -> None:
-        self._buffers = frozenset(name for name, _ in model.named_buffers())
-        need = 2 * 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
+        modules = {"model": model} if isinstance(model, torch.nn.Module) else dict(model)
+        self._buffers = {name: frozenset(key for key, _ in module.named_buffers()) for name, module in modules.items()}
+        need = 2 * 3 * state_bytes(modules)
         try:
             self.area.prepare()
             free = shutil.disk_usage(self.area.path).free
@@ -237,9 +238,10 @@ class SnapshotWriter(Snapshots):
         self._collect()
         snapshot = state()
         # The next forward updates the buffers (BatchNorm's statistics): copy them now; the rest in the background.
-        model = snapshot["model"]
-        snapshot["model"] = {key: value.detach().clone() if key in self._buffers else value
-                             for key, value in model.items()}  # fmt: skip
+        for name, buffers in self._buffers.items():
+            if name in snapshot:
+                snapshot[name] = {key: value.detach().clone() if key in buffers else value
+                                  for key, value in snapshot[name].items()}  # fmt: skip
         done = None
         if self._side is not None:
             done = torch.cuda.Event()

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from service.state.best import read_best
 from service.state.checkpoint_io import (
     FORMAT,
-    REQUIRED_KEYS,
     UnsafeCheckpointError,
     _open_regular,
     _step_of,
@@ -32,6 +31,7 @@ from service.state.checkpoint_io import (
     load_state,
     load_tensors,
     manifest_name,
+    missing_keys,
     read_verified,
     state_name,
 )
@@ -175,7 +175,7 @@ def read_weights(path: Path) -> dict[str, Tensor]:
 
 
 def _state_dict_of(loaded: Any, path: Path) -> dict[str, Tensor]:
-    if isinstance(loaded, dict) and loaded.get("format") == FORMAT and all(key in loaded for key in REQUIRED_KEYS):
+    if isinstance(loaded, dict) and loaded.get("format") == FORMAT and not missing_keys(loaded):
         raise WeightsError(f"{path} is a ddp-service checkpoint without its manifest, so its checksum cannot be "
                            f"checked. Keep it as step-NNNNNNNN.pt next to its step-NNNNNNNN.json, or write its "
                            "weights with `ddp-service export RUN_DIR OUT` and use that file.")  # fmt: skip

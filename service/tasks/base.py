@@ -74,6 +74,18 @@ class Task:
 
     ``batch_size_fn(batch) -> int``: samples in a batch; by default the leading
     dimension of the batch's first tensor.
+
+    ``state``: more objects to keep, by name (each with ``state_dict`` and
+    ``load_state_dict``: a second model or optimizer, a hidden state, a stream's
+    position): saved in every checkpoint and snapshot with the model, and loaded
+    back on a resume, as a script's ``s.keep`` does.
+
+    ``step_fn`` may return ``(loss, {name: number})``: the numbers (0-d tensors
+    or floats) are logged beside the loss, as the world's mean at each log line.
+
+    ``train_set`` may be an iterable dataset (a ``torch.utils.data.IterableDataset``
+    or a Hugging Face ``datasets`` stream): each rank reads its own shard; see
+    :class:`service.Session`'s ``batches``.
     """
 
     model: nn.Module
@@ -89,6 +101,7 @@ class Task:
     optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None
     scheduler_fn: Callable[[torch.optim.Optimizer, int], Any] | None = None
     batch_size_fn: Callable[[Any], int] | None = None
+    state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[str]:
         """What is missing for the service to train and evaluate this task (empty when it can)."""
@@ -102,6 +115,14 @@ class Task:
             found.append("metric_fn is set without metric_name; name the metric (e.g. metric_name='accuracy')")
         if self.metric_fn is not None and self.metric_name == "loss":
             found.append("metric_name is 'loss', the name of the eval loss itself; pick another name")
+        if not isinstance(self.state, Mapping):
+            found.append(f"state is a {type(self.state).__name__}; give a dict of names to objects with state_dict "
+                         "and load_state_dict, e.g. state={'netD': netD, 'optD': optD}")  # fmt: skip
+        else:
+            for name, value in self.state.items():
+                if not all(callable(getattr(value, method, None)) for method in ("state_dict", "load_state_dict")):
+                    found.append(f"state[{name!r}] is a {type(value).__name__} without state_dict and "
+                                 "load_state_dict; keep only objects that have both")  # fmt: skip
         for name in ("step_fn", "collate_fn", "eval_fn", "optimizer_fn", "scheduler_fn", "batch_size_fn",
                      "loss_fn", "metric_fn", "tokens_fn"):  # fmt: skip
             value = getattr(self, name)

@@ -228,6 +228,9 @@ class NoGoodput(MetricsSink):
     def register(self, registry: Any, run_id: str) -> None:
         """Serve the job's goodput gauges from ``registry`` (rank 0's Prometheus one)."""
 
+    def restored(self, seconds: float) -> None:
+        """The resume's whole time (its agreement and every kept object's load), known once training starts."""
+
 
 class GoodputSink(NoGoodput):
     """Rank 0's ledger: adds up this start's time from the loop's events and appends it every ``every`` s."""
@@ -333,6 +336,10 @@ class GoodputSink(NoGoodput):
 
     def register(self, registry: Any, run_id: str) -> None:
         registry.register(GoodputCollector(self, run_id))
+
+    def restored(self, seconds: float) -> None:
+        with self.lock:
+            self.fixed["restore_seconds"] = max(0.0, seconds)
 
     def close(self) -> None:
         if self.closed:

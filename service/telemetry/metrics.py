@@ -26,29 +26,47 @@ log = logging.getLogger("service.loop.train")
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """One logging window's numbers: this rank's own (``loss``, ``rank_samples_per_second``: TensorBoard and
-    Prometheus, per rank) and the world's (``world_loss``, ``world_samples_per_second``: the log line)."""
+    Prometheus, per rank) and the world's (``world_loss``, ``world_samples_per_second``: the log line).
+
+    ``values``/``world_values``: every scalar the loop logged in the window (``loss`` among them for a task; a
+    script's own names through ``s.log``), this rank's mean and the world's; ``loss`` and ``world_loss`` are
+    their ``loss`` (None when nothing of that name was logged), ``lr`` the first optimizer's (None without one).
+    """
 
     global_step: int
     total_steps: int
     epoch: int
-    loss: float
-    lr: float
+    loss: float | None
+    lr: float | None
     samples_seen: int
     rank_samples_per_second: float
-    world_loss: float  # the mean over every rank's steps of the window
+    world_loss: float | None  # the mean over every rank's steps of the window
     world_samples_per_second: float  # the ranks' throughputs summed
     seconds_per_step: float  # this rank's wall time per step in the window (the ETA)
+    values: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    world_values: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _scalars(loss: float | None, values: Mapping[str, float]) -> str:
+    named = ([f"loss {loss:.4f}"] if loss is not None else []) + [
+        f"{name} {value:.4g}" for name, value in values.items() if name != "loss"
+    ]
+    return " ".join(named)
 
 
 def format_step(report: StepReport, own: bool = False) -> str:
-    """The log line of a log step: the world's loss and throughput, and the time left at this window's pace;
-    ``own``: this rank's loss and throughput after them."""
+    """The log line of a log step: the world's loss (and every other logged scalar) and throughput, and the time
+    left at this window's pace; ``own``: this rank's own after them."""
     left = max(0, report.total_steps - report.global_step) * report.seconds_per_step
-    line = (f"step {report.global_step}/{report.total_steps} epoch {report.epoch} loss {report.world_loss:.4f} "
-            f"lr {report.lr:.5f} samples/s {report.world_samples_per_second:.1f} "
-            f"eta {datetime.timedelta(seconds=round(left))}")  # fmt: skip
+    scalars = _scalars(report.world_loss, report.world_values)
+    lr = f"lr {report.lr:.5f} " if report.lr is not None else ""
+    line = (
+        f"step {report.global_step}/{report.total_steps} epoch {report.epoch} {scalars}{' ' if scalars else ''}"
+        f"{lr}samples/s {report.world_samples_per_second:.1f} eta {datetime.timedelta(seconds=round(left))}"
+    )
     if own:
-        line += f" | this rank: loss {report.loss:.4f} samples/s {report.rank_samples_per_second:.1f}"
+        mine = _scalars(report.loss, report.values)
+        line += f" | this rank: {mine}{' ' if mine else ''}samples/s {report.rank_samples_per_second:.1f}"
     return line
 
 
@@ -95,6 +113,9 @@ class MetricsSink:
     def on_report(self, report: StepReport) -> None:
         """Called every ``train.log_every`` steps."""
 
+    def on_plan(self, total_steps: int) -> None:
+        """Called once the loop knows how many optimizer steps the run has (its data is known)."""
+
     def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         """Called after each evaluation; ``seconds``: its wall time (a host timer)."""
 
@@ -134,6 +155,10 @@ class FanOutSink(MetricsSink):
         for sink in self.sinks:
             sink.on_report(report)
 
+    def on_plan(self, total_steps: int) -> None:
+        for sink in self.sinks:
+            sink.on_plan(total_steps)
+
     def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
         for sink in self.sinks:
             sink.on_eval(report, seconds)
@@ -165,7 +190,7 @@ class LogSink(MetricsSink):
         log.info("eval epoch %d step %d %s", report.epoch, report.global_step, values)
 
 
-def progress_sink(total_steps: int, terminal: bool) -> MetricsSink:
+def progress_sink(total_steps: int | None, terminal: bool) -> MetricsSink:
     """Rank 0's progress: a tqdm bar on a terminal; elsewhere (a file, a pipe, a pod's log) none, since the
     log line of each log step already says the step, the total and the time left, without carriage returns."""
     return ProgressSink(total_steps) if terminal else NullSink()
@@ -178,7 +203,7 @@ class ProgressSink(MetricsSink):
     lines print above the bar instead of through it.
     """
 
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int | None) -> None:
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -192,7 +217,11 @@ class ProgressSink(MetricsSink):
         self.bar.update(1)
 
     def on_report(self, report: StepReport) -> None:
-        self.bar.set_postfix(loss=f"{report.world_loss:.4f}", refresh=False)
+        if report.world_loss is not None:
+            self.bar.set_postfix(loss=f"{report.world_loss:.4f}", refresh=False)
+
+    def on_plan(self, total_steps: int) -> None:
+        self.bar.total = total_steps
 
     def close(self) -> None:
         self.redirect.close()
@@ -208,8 +237,13 @@ class TensorBoardSink(MetricsSink):
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def on_report(self, report: StepReport) -> None:
-        self.writer.add_scalar("train/loss", report.loss, report.global_step)
-        self.writer.add_scalar("train/lr", report.lr, report.global_step)
+        if report.loss is not None:
+            self.writer.add_scalar("train/loss", report.loss, report.global_step)
+        for name, value in report.values.items():
+            if name != "loss":
+                self.writer.add_scalar(f"train/{name}", value, report.global_step)
+        if report.lr is not None:
+            self.writer.add_scalar("train/lr", report.lr, report.global_step)
         self.writer.add_scalar("train/rank_samples_per_second", report.rank_samples_per_second, report.global_step)
 
     def on_eval(self, report: EvalReport, seconds: float = 0.0) -> None:
@@ -268,6 +302,9 @@ class PrometheusSink(MetricsSink):
         self.collective_wait = histogram("collective_wait_seconds", "Time one step spent in its other collectives: "
                                          "DDP's buffer broadcast and SyncBatchNorm's all-reduces.")  # fmt: skip
         self.loss = metric(Gauge, "loss", "Mean training loss over the last logging window.")
+        self.value = Gauge(f"{PREFIX}value", "Each scalar the loop logged (a script's s.log names too), its mean "
+                           "over the last logging window, named by label name.", [*names, "name"],
+                           registry=self.registry)  # fmt: skip
         self.lr = metric(Gauge, "learning_rate", "The learning rate at the last logging step.")
         self.epoch = metric(Gauge, "epoch", "The epoch being trained (from 0).")
         self.global_step = metric(Gauge, "global_step", "Optimizer steps of the whole run, at the last logging step.")
@@ -339,8 +376,12 @@ class PrometheusSink(MetricsSink):
 
     def on_report(self, report: StepReport) -> None:
         self.throughput.set(report.rank_samples_per_second)
-        self.loss.set(report.loss)
-        self.lr.set(report.lr)
+        if report.loss is not None:
+            self.loss.set(report.loss)
+        for name, value in report.values.items():
+            self.value.labels(**self.labels, name=name).set(value)
+        if report.lr is not None:
+            self.lr.set(report.lr)
         self.epoch.set(report.epoch)
         self.global_step.set(report.global_step)
         if self.max_memory is not None:

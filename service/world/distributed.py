@@ -157,6 +157,29 @@ def tensor_to_bytes(tensor: torch.Tensor, length: int) -> bytes:
     return tensor[:length].numpy().tobytes()
 
 
+def all_gather_bytes(payload: bytes, group: Any, world_size: int) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank: the sizes first, then the bytes padded to the largest.
+    A collective over ``group`` (the gloo control group: host memory, no device)."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    lengths = [int(size.item()) for size in sizes]
+    longest = max(lengths)
+    buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(buffers, bytes_to_tensor(payload, longest), group=group)
+    return [tensor_to_bytes(buffer, length) for buffer, length in zip(buffers, lengths, strict=True)]
+
+
+def all_agree(group: Any) -> Callable[[Sequence[int]], list[int]]:
+    """A collective: the smallest of each integer over the ranks of ``group`` (e.g. 'every rank has a batch')."""
+
+    def smallest(values: Sequence[int]) -> list[int]:
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+        return [int(value) for value in tensor.tolist()]
+
+    return smallest
+
+
 def any_rank(group: Any) -> Callable[[int, int], tuple[int, int]]:
     """The preemption check's collective: (the largest rank's code, the smallest rank's proposal), one all-reduce."""
 

@@ -1,0 +1,269 @@
+"""What feeds a loop's steps: one optimizer step's batches at a time, and where the data stands.
+
+- :class:`MapFeed`: a map-style dataset (``__len__``, ``__getitem__``) through a
+  :class:`~service.loop.sampler.DataPlan`: one permutation per epoch (or the
+  dataset's order), striped over the ranks of the world that runs each step, so a
+  resume at any world size feeds every sample once per epoch. With ``shard=False``
+  each rank walks its own dataset whole (a world of one per rank): the TBPTT form.
+- :class:`StreamFeed`: an iterable dataset (a Hugging Face ``datasets`` stream,
+  WebDataset, any ``torch.utils.data.IterableDataset``), each rank reading its own
+  shard through torchdata's ``StatefulDataLoader``, whose ``state_dict`` (the
+  workers' stream states included) is the position a resume goes on from.
+
+A feed yields :class:`Fed` steps; the loop (:mod:`service.loop.stepping`) times the wait
+for each and does the step's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from service.config import DataConfig
+from service.loop.data import SignalSafeLoader
+from service.loop.sampler import DataPlan, MicroBatch, PlanSampler, StepPlan
+from service.state.preemption import held_back, ignore_in_data_workers
+
+log = logging.getLogger(__name__)
+
+
+class FeedError(ValueError):
+    """A dataset the loop cannot feed as asked; the message names the value and the fix."""
+
+
+@dataclasses.dataclass
+class Fed:
+    """One optimizer step as the feed gives it: the plan (this rank's share, the cursor) and its micro-batches."""
+
+    plan: StepPlan
+    batches: list[Any]
+    tokens: int = 0  # set by the step when the task counts them
+
+
+class MapFeed:
+    """A map-style dataset through a :class:`DataPlan` (the task loop's micro-steps, a session's single batch)."""
+
+    stream = False
+
+    def __init__(self, dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int,
+                 collate: Callable[[list[Any]], Any] | None) -> None:  # fmt: skip
+        self.dataset, self.plan = dataset, plan
+        self.sampler = PlanSampler(plan)
+        self.loader = SignalSafeLoader(
+            dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=data.num_workers,
+            pin_memory=data.pin_memory, persistent_workers=data.num_workers > 0,
+            generator=torch.Generator().manual_seed(seed), worker_init_fn=ignore_in_data_workers,
+        )  # fmt: skip
+
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    def steps_in_epoch(self, cursor: int = 0) -> int | None:
+        return self.plan.steps_in_epoch(cursor)
+
+    def epoch_done(self, cursor: int) -> bool:
+        return cursor >= self.plan.end
+
+    def steps(self, epoch: int, cursor: int) -> Iterator[Fed]:
+        """This rank's steps from ``cursor`` to the end of ``epoch``; the loader reads ahead freely."""
+        self.sampler.position(epoch, cursor)
+        batches = iter(self.loader)
+        for plan in self.plan.steps(epoch, cursor):
+            yield Fed(plan, [next(batches) for _ in plan.micro])
+
+    def state_dict(self) -> None:
+        return None  # the cursor in the loop's state is the whole position
+
+    def load_state_dict(self, state: Any) -> None:
+        return None
+
+
+def map_plan(dataset: Any, seed: int, batch_size: int, world_size: int, rank: int, shard: bool, shuffle: bool,
+             drop_last: bool) -> DataPlan:  # fmt: skip
+    """A session's plan: ``batch_size`` per rank per step; ``shard=False``: each rank's own dataset whole."""
+    length = len(dataset)
+    if not shard:
+        return DataPlan(length, seed, batch_size, 1, 0, 1, shuffle=shuffle, tail="drop" if drop_last else "keep")
+    return DataPlan(length, seed, batch_size * world_size, world_size, rank, 1, shuffle=shuffle,
+                    tail="drop" if drop_last else "keep")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def is_stream(dataset: Any) -> bool:
+    """An iterable dataset: torch's ``IterableDataset`` or a Hugging Face ``datasets.IterableDataset``."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ == "IterableDataset"
+
+
+def stateful(dataset: Any) -> bool:
+    return all(callable(getattr(dataset, method, None)) for method in ("state_dict", "load_state_dict"))
+
+
+class RankShard(IterableDataset):
+    """One rank's shard of a torch ``IterableDataset``: the items whose position in the stream falls in the slot of
+    this rank and this loader worker (``get_worker_info``), one in every ``world_size × workers``. Every worker
+    reads the stream whole and keeps its slot's items; the state is the stream's own and the position read, so a
+    stream with ``state_dict``/``load_state_dict`` resumes exactly, each worker in its slot."""
+
+    def __init__(self, inner: IterableDataset, rank: int, world_size: int) -> None:
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+        self.read = 0  # items of the stream this worker has read (its own and the others')
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        slots, slot = self.world_size * workers, self.rank * workers + worker
+        for item in self.inner:
+            index, self.read = self.read, self.read + 1
+            if index % slots == slot:
+                yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.inner.state_dict(), "read": self.read}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inner.load_state_dict(state["stream"])  # type: ignore[attr-defined]
+        self.read = int(state["read"])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.read = 0
+        if callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
+
+
+def shard_stream(dataset: Any, rank: int, world_size: int, shard: bool) -> Any:
+    """This rank's shard: ``split_dataset_by_node`` for a Hugging Face stream, :class:`RankShard` otherwise."""
+    if not shard or world_size == 1:
+        return dataset
+    if not isinstance(dataset, IterableDataset):  # datasets.IterableDataset
+        from datasets.distributed import split_dataset_by_node
+
+        return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+    return RankShard(dataset, rank, world_size)
+
+
+class StreamFeed:
+    """An iterable dataset, batched by torchdata's ``StatefulDataLoader``: one batch per rank per step.
+
+    A stream's shards need not be equally long, so each step the ranks agree (``agree``, the MIN of
+    "I have a batch") that all of them have one; the first rank without ends the epoch for all, and a batch
+    the others read for that step is not trained (the uneven tail, like a sampler's ``drop_last``).
+    """
+
+    stream = True
+
+    def __init__(self, dataset: Any, batch_size: int, world_size: int, rank: int, data: DataConfig, seed: int,
+                 collate: Callable[[list[Any]], Any] | None, agree: Callable[[list[int]], list[int]],
+                 shard: bool = True, drop_last: bool = True) -> None:  # fmt: skip
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        self.source = dataset
+        self.dataset = shard_stream(dataset, rank, world_size, shard)
+        self.batch_size, self.world_size, self.agree = batch_size, world_size if shard else 1, agree
+        self.resumable = stateful(self.dataset)
+
+        class Loader(SignalSafeLoader, StatefulDataLoader):  # workers start with the stop signals held back
+            pass
+
+        self.loader = Loader(self.dataset, batch_size=batch_size, collate_fn=collate, num_workers=data.num_workers,  # type: ignore[call-arg]
+                             pin_memory=data.pin_memory, drop_last=drop_last, worker_init_fn=ignore_in_data_workers,
+                             snapshot_every_n_steps=1,
+                             generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        self._pending: Any = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def steps_in_epoch(self, cursor: int = 0) -> int | None:
+        try:
+            length = len(self.source)
+        except TypeError:
+            return None
+        full = length // self.global_batch
+        return max(0, full - cursor // self.global_batch)
+
+    def epoch_done(self, cursor: int) -> bool:
+        return True  # a stream's steps end only when one of its shards does
+
+    def steps(self, epoch: int, cursor: int) -> Iterator[Fed]:
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+        with held_back():
+            batches = iter(self.loader)
+        start = cursor
+        while True:
+            batch = next(batches, None)
+            if self.agree([batch is not None])[0] == 0:
+                return
+            size = _size(batch)
+            plan = StepPlan(epoch=epoch, start=start, size=self.global_batch, micro=(MicroBatch((), 1.0, size),))
+            start += self.global_batch
+            yield Fed(plan, [batch])
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
+
+
+def _size(batch: Any) -> int:
+    from service.loop.batches import BatchError, leading_size
+
+    try:
+        return leading_size(batch)
+    except BatchError:
+        return 0
+
+
+def describe_stream(dataset: Any) -> str:
+    return f"{type(dataset).__module__}.{type(dataset).__name__}"
+
+
+def check_stream(feed: StreamFeed, max_steps: int | None, epochs: int, resumed: Mapping[str, Any] | None,
+                 saved_state: Any, world_size: int, on_resume: str) -> None:  # fmt: skip
+    """A stream without a length needs ``train.max_steps``; a resume needs a stream with state, at the world size
+    it was saved at, unless ``data.stream_resume: restart`` starts it afresh."""
+    if max_steps is None and feed.steps_in_epoch() is None:
+        raise FeedError(f"The training data is a stream ({describe_stream(feed.source)}) with no length, so "
+                        f"train.epochs={epochs} does not say how long to train. Set train.max_steps (e.g. --set "
+                        "train.max_steps=10000).")  # fmt: skip
+    if resumed is None:
+        return
+    fix = ("or set data.stream_resume=restart to start the stream afresh (its samples before the stop may then be "
+           "seen again, or some skipped)")  # fmt: skip
+    saved_size = resumed.get("world_size")
+    if saved_size != world_size:
+        if on_resume == "restart":
+            log.warning(
+                "the stream's position was saved at world size %s, and this start has %d ranks, whose "
+                "shards differ: it starts afresh (data.stream_resume=restart)",
+                saved_size,
+                world_size,
+            )
+            return
+        raise FeedError(
+            f"This run resumes a stream ({describe_stream(feed.source)}) whose position was saved at "
+            f"world size {saved_size}; this start has {world_size} ranks, and each rank's shard of a "
+            f"stream depends on the world size. Resume it with {saved_size} ranks, {fix}."
+        )
+    if saved_state is None:
+        if on_resume == "restart":
+            log.warning("the stream %s keeps no position (no state_dict): it starts afresh "
+                        "(data.stream_resume=restart)", describe_stream(feed.source))  # fmt: skip
+            return
+        raise FeedError(f"This run resumes from a checkpoint, but its stream ({describe_stream(feed.source)}) has no "
+                        "state_dict/load_state_dict, so where it stopped was not kept. Give the stream state (a "
+                        "Hugging Face datasets stream has it; a torch IterableDataset can define state_dict and "
+                        f"load_state_dict), {fix}.")  # fmt: skip
+    feed.load_state_dict(saved_state)

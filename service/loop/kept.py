@@ -1,0 +1,226 @@
+"""What a job keeps: named objects with ``state_dict``/``load_state_dict``, saved in every checkpoint and snapshot.
+
+A loop keeps what a resume must bring back: ``keep(name=object)`` for state
+every rank shares (modules, optimizers, LR schedules, gradient scalers, the
+user's own objects), ``keep_rank(name=object)`` for state each rank holds
+for itself (a TBPTT hidden state, a stream's position). The built-in task
+loop keeps ``model``, ``optimizer``, ``scheduler`` and ``scaler`` (and a
+task's ``state``); a session script keeps what it names.
+
+In a checkpoint each shared object's state sits at the top level under its
+name, listed under ``kept``: a task job's checkpoint has the same ``model``,
+``optimizer``, ``scheduler`` and ``scaler`` entries it always had, and one
+written before ``kept`` existed reads as those four. Every rank's own
+objects are gathered at each save into ``rank_kept`` (rank → name → state).
+A resume loads each object in the call that keeps it; names kept now that the
+checkpoint lacks, and names it holds that were never kept, are errors that
+name both lists. At another world size the per-rank objects stay as they
+were built, with one warning naming them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.loop.parallel import unwrap
+from service.state.checkpoint_io import load_tensors
+
+log = logging.getLogger(__name__)
+
+# The loop's own entries of a checkpoint: no kept object may take one of these names.
+RESERVED = frozenset({"format", "kept", "rank_kept", "loop", "rng", "world_size", "global_batch", "config",
+                      "config_hash", "lineage", "versions", "first_bad", "data"})  # fmt: skip
+TASK_KEPT = ("model", "optimizer", "scheduler", "scaler")  # what a checkpoint without ``kept`` holds
+STREAM = "__stream__"  # a stream's loader position, among each rank's own states (no user name looks like it)
+
+
+class KeepError(TypeError):
+    """A kept object, its name or its call does not fit; the message names the call and the fix."""
+
+
+def kept_names(state: Mapping[str, Any]) -> list[str]:
+    """The names of the shared objects a checkpoint holds (a checkpoint without ``kept``: a task job's four; its
+    ``scaler`` entry may be missing, which reads as None: no gradient scaler)."""
+    names = state.get("kept")
+    if names is None:
+        return list(TASK_KEPT)
+    return [str(name) for name in names]
+
+
+def _has_state(obj: Any) -> bool:
+    return all(callable(getattr(obj, method, None)) for method in ("state_dict", "load_state_dict"))
+
+
+def module_digest(modules: Iterator[nn.Module]) -> str:
+    """sha256 over the tensors of each module's state dict, in order, as the bytes of contiguous CPU tensors."""
+    digest = hashlib.sha256()
+    for module in modules:
+        for tensor in module.state_dict().values():
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Kept:
+    """The objects a job keeps, restored from ``resumed`` (a checkpoint's state, or None) as they are kept."""
+
+    def __init__(self, resumed: Mapping[str, Any] | None, rank: int, world_size: int, source: str = "") -> None:
+        self.resumed = resumed
+        self.rank, self.world_size, self.source = rank, world_size, source
+        self.shared: dict[str, Any] = {}
+        self.per_rank: dict[str, Any] = {}
+        self.closed_for: str | None = None  # why keeping is over (training started)
+        saved_size = resumed.get("world_size") if resumed is not None else None
+        self._own_states = self._rank_states(resumed, saved_size)
+        self._warned_resize = False
+
+    # ------------------------------------------------------------------ keeping
+    def keep(self, objects: Mapping[str, Any], per_rank: bool, call: str) -> None:
+        """Add ``objects`` (shared, or each rank's own); on a resume, load each one's saved state at once."""
+        if self.closed_for is not None:
+            raise KeepError(f"{call}({', '.join(objects)}) came after {self.closed_for}: everything a resume must "
+                            f"bring back has to be kept before that, so that it is in the first checkpoint and "
+                            f"restored before the first step. Move the {call}(...) call above it.")  # fmt: skip
+        for name, obj in objects.items():
+            self._check(name, obj, call)
+        for name, obj in objects.items():
+            target = unwrap(obj) if isinstance(obj, nn.Module) else obj
+            (self.per_rank if per_rank else self.shared)[name] = target
+            self._restore(name, target, per_rank, call)
+
+    def _check(self, name: str, obj: Any, call: str) -> None:
+        if not name.isidentifier() or name in RESERVED:
+            raise KeepError(f"{call}({name}=...): {name!r} is the name of one of the checkpoint's own entries "
+                            f"({', '.join(sorted(RESERVED))}); keep it under another name.")  # fmt: skip
+        if name in self.shared or name in self.per_rank:
+            raise KeepError(f"{call}({name}=...): {name!r} is kept already; each name is kept once, by keep or "
+                            "keep_rank.")  # fmt: skip
+        if not _has_state(obj):
+            raise KeepError(
+                f"{call}({name}=...) got a {type(obj).__name__}, which has no state_dict() and "
+                "load_state_dict(): keep modules, optimizers, LR schedulers, GradScalers, or an object of "
+                "your own with those two methods (service.Carry holds any value, e.g. a hidden state)."
+            )
+
+    def _restore(self, name: str, obj: Any, per_rank: bool, call: str) -> None:
+        if self.resumed is None:
+            return
+        if per_rank:
+            if self._own_states is None:
+                self._warn_resize()
+                return
+            if name not in self._own_states:
+                raise KeepError(self._mismatch(call, name, sorted(self._own_states), "keep_rank"))
+            obj.load_state_dict(self._own_states[name])
+            return
+        if name not in kept_names(self.resumed):
+            raise KeepError(self._mismatch(call, name, kept_names(self.resumed), "keep"))
+        obj.load_state_dict(self.resumed.get(name))
+
+    def _mismatch(self, call: str, name: str, saved: list[str], which: str) -> str:
+        return (f"{call}({name}=...): the checkpoint this run resumes from ({self.source}) holds no {name!r}: it "
+                f"kept {', '.join(saved) or 'nothing'} with {which}. Unexpected: {name}. Keep the same names as the "
+                "run it resumes, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
+
+    def _rank_states(self, resumed: Mapping[str, Any] | None, saved_size: Any) -> dict[str, Any] | None:
+        """This rank's own saved states: at the same world size only (None: another size, or none saved)."""
+        if resumed is None:
+            return {}
+        by_rank = resumed.get("rank_kept") or {}
+        if saved_size != self.world_size:
+            return None if by_rank else {}
+        return dict(by_rank.get(str(self.rank), {}))
+
+    def saved_own(self) -> dict[str, Any] | None:
+        """This rank's own saved states (None: saved at another world size)."""
+        return self._own_states
+
+    def _warn_resize(self) -> None:
+        if not self._warned_resize and self.resumed is not None:
+            self._warned_resize = True
+            names = sorted(name for name in next(iter((self.resumed.get("rank_kept") or {}).values()), {})
+                           if name != STREAM)  # fmt: skip
+            log.warning("the per-rank objects %s were saved at world size %s and this start has %d ranks: each "
+                        "rank's own state has no owner here, so they start as the script built them",
+                        ", ".join(names), self.resumed.get("world_size"), self.world_size)  # fmt: skip
+
+    def close(self, why: str) -> None:
+        """Training starts: every saved name must have been kept (the missing ones are named), and no more keeping."""
+        if self.resumed is not None:
+            missing = [name for name in kept_names(self.resumed) if name not in self.shared]
+            own = self._own_states or {}
+            missing_rank = [name for name in own if name not in self.per_rank and name != STREAM]
+            if missing or missing_rank:
+                listed = ", ".join([*missing, *(f"{name} (per rank)" for name in missing_rank)])
+                raise KeepError(f"the checkpoint this run resumes from ({self.source}) holds {listed}, which this "
+                                f"run never kept before {why}. Missing: {listed}. Keep every object the run it "
+                                "resumes kept (s.keep / s.keep_rank), or start afresh with --set "
+                                "checkpoint.resume=never.")  # fmt: skip
+        self.closed_for = why
+
+    # ------------------------------------------------------------------ saving
+    def states(self) -> dict[str, Any]:
+        """Each shared object's state dict, by name (``kept`` lists the names)."""
+        return {"kept": list(self.shared), **{name: obj.state_dict() for name, obj in self.shared.items()}}
+
+    def own_payload(self) -> bytes:
+        """This rank's own objects' states, serialized (for the gather at a save); empty without any."""
+        if not self.per_rank:
+            return b""
+        buffer = io.BytesIO()
+        torch.save({name: obj.state_dict() for name, obj in self.per_rank.items()}, buffer)
+        return buffer.getvalue()
+
+    @staticmethod
+    def gathered(payloads: list[bytes]) -> dict[str, Any]:
+        """Every rank's own states from the gathered payloads: ``rank_kept`` (checked like any checkpoint)."""
+        return {str(rank): load_tensors(payload, f"rank {rank}'s kept state") for rank, payload in enumerate(payloads)
+                if payload}  # fmt: skip
+
+    def modules(self) -> Iterator[nn.Module]:
+        return (obj for obj in self.shared.values() if isinstance(obj, nn.Module))
+
+    def digest(self) -> str:
+        """The ``model_digest`` of summary.json: every kept module's tensors, in the order they were kept."""
+        return module_digest(self.modules())
+
+    def module(self, name: str | None = None) -> nn.Module | None:
+        """A kept module by name, or the first one."""
+        found = self.shared.get(name) if name is not None else next(self.modules(), None)
+        return found if isinstance(found, nn.Module) else None
+
+
+class Carry:
+    """A per-rank value kept across steps and restored on resume: ``s.keep_rank(hidden=carry)``, then ``carry.value``.
+
+    Holds any nesting of tensors (a TBPTT hidden state: a tensor or a tuple of them); ``state_dict`` keeps them
+    detached, on the CPU. ``make`` builds the value when nothing is carried (``carry.value or make()``).
+    """
+
+    def __init__(self, value: Any = None, on_load: Callable[[Any], Any] | None = None) -> None:
+        self.value = value
+        self.on_load = on_load  # e.g. lambda value: value.to(device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": _detached(self.value)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        value = state.get("value")
+        self.value = self.on_load(value) if self.on_load is not None and value is not None else value
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    return value

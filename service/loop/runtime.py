@@ -1,0 +1,369 @@
+"""One start of a job in this process: its world joined, its state agreed, its roles decided; what any loop is
+built of (wrap a model, keep state, log scalars, walk the steps) and how a start ends.
+
+The built-in task loop (:mod:`service.loop.train`) and a script's own loop
+(:class:`service.Session`) are both written on a :class:`Runtime`: one start-up,
+one resume agreement, one step boundary (:mod:`service.loop.stepping`), one
+checkpoint layout, one summary. Nothing in here asks for its rank: what differs
+per rank lives in the :class:`~service.loop.roles.Roles` built at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DataParallel
+
+from service.config import JobConfig
+from service.loop.batches import to_device
+from service.loop.geometry import plan_total_steps
+from service.loop.job import LoopState
+from service.loop.kept import STREAM, Carry, Kept
+from service.loop.parallel import unwrap, wrap_model
+from service.loop.progress import Progress
+from service.loop.roles import build_roles
+from service.loop.syncbn import tick_collectives
+from service.loop.watchdog import Watchdog
+from service.loop.window import Window, scalar
+from service.loop.wrapped import ServiceDDP
+from service.state.checkpoint_io import FORMAT
+from service.state.consistency import check_same_config
+from service.state.preemption import Preemption
+from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
+from service.state.resume import rng_state as saved_rng_state
+from service.state.snapshot import node_area
+from service.telemetry.goodput import StartTimes
+from service.telemetry.metrics import StepReport
+from service.world.distributed import DistContext, all_gather_bytes, any_rank, distributed, sum_across
+from service.world.env import WorldInfo
+from service.world.orphans import guard_against_orphaning
+from service.world.runlock import build_run_dir_guard
+
+if TYPE_CHECKING:
+    from service.loop.feeds import MapFeed, StreamFeed
+    from service.loop.nonfinite import NonfiniteGuard
+
+log = logging.getLogger("service.loop.train")
+
+
+class WrapError(TypeError):
+    """A module handed to ``model`` cannot be wrapped as given; the message names the call and the fix."""
+
+
+def last_attempt(world: WorldInfo) -> bool:
+    """No restart of this node's workers will come: what this start leaves in shared memory, nobody reads."""
+    return world.restart_count >= world.max_restarts
+
+
+class Runtime:
+    """A start of a job: build it with :meth:`opened` (the lock, the process group, then this)."""
+
+    def __init__(self, config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
+                 terminal: bool = False, label: str | None = None) -> None:  # fmt: skip
+        self.config, self.world, self.dist_ctx, self.preemption = config, world, dist_ctx, preemption
+        self.label = label or config.task
+        self.device = dist_ctx.device
+        self.control = dist_ctx.control
+        check_same_config(config, world.world_size, self.control)
+        preemption.connect(any_rank(self.control))
+        torch.manual_seed(config.seed)
+        checkpoints = Path(config.run_dir) / "checkpoints"
+        own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
+        self.area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id)
+        agreeing = time.perf_counter()  # the resume's time, for the goodput ledger: the agreement and the loads
+        self.resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, self.control,
+                                           config.checkpoint.resume, own,
+                                           self.area.readable() if self.area else None)  # fmt: skip
+        self.restore_seconds = time.perf_counter() - agreeing if self.resumed is not None else 0.0
+        if self.resumed is not None:
+            check_compatible(self.resumed, config)
+        # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank
+        # writes it (a survivor of a lost node writes the next ones; its restarts under resume=never look for it).
+        self.lineage = own or (self.resumed.state.get("lineage") if self.resumed else fresh_lineage(self.control))
+        self.digest = config_hash(config)
+        self.config_json = config.model_dump(mode="json")
+        self.state = LoopState(**self.resumed.state["loop"]) if self.resumed else LoopState()
+        self.progress = Progress(self.state.global_step)
+        self.roles = build_roles(config, world, None, self.digest, dist_ctx.is_cuda, self.resumed, self.lineage,
+                                 dist_ctx.backend, terminal, self.area,
+                                 StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds,
+                                               self.state.global_step))  # fmt: skip
+        self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
+                         str(self.resumed.file) if self.resumed else "")  # fmt: skip
+        self.window = Window(self.device, sum_across(self.control),
+                             lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
+        self.models: list[nn.Module] = []
+        self.feed: MapFeed | StreamFeed | None = None
+        self.total_steps = 0
+        self.nonfinite: NonfiniteGuard | None = None  # the task loop's: its checkpoints are never of nan weights
+        self.stopped: str | None = None  # why the steps ended early: "preempted" or "lock_lost"
+        self.in_flight: Any = None  # the step a loop is running (yielded, not yet counted)
+        self.started = time.perf_counter()
+        self.start_samples = self.state.samples_seen
+        self.summary: dict[str, Any] | None = None
+        self.last_report: StepReport | None = None  # the last log line's numbers (a script's are its summary's)
+        self._rank_kept: dict[str, Any] = {}
+        self.watchdog = Watchdog.for_job(
+            config,
+            world,
+            dist_ctx,
+            self.progress,
+            preemption,
+            self.roles.sink,
+            self.roles.snapshots.abandon if last_attempt(world) else lambda: None,
+        )
+        self.watchdog.start()
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened(cls, config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool = False,
+               label: str | None = None) -> Iterator[Runtime]:  # fmt: skip
+        """The orphan guard, run_dir's lock and the process group, then a :class:`Runtime` in them; on the way out
+        the runtime lets go of what holds the group (its wrapped models) before the group is destroyed."""
+        guard_against_orphaning(world)  # before anything that could outlive a dead agent
+        guard = build_run_dir_guard(config, world)
+        with guard.held(), distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
+            runtime = cls(config, world, dist_ctx, preemption, terminal, label)
+            try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
+                with guard.on_lost(lambda why: runtime.roles.fence(guard.vacant), preemption.lose_lock):
+                    yield runtime
+            finally:
+                runtime.close()
+
+    # ------------------------------------------------------------------ models and what is kept
+    def model(self, module: nn.Module, call: str = "s.model") -> nn.Module:
+        """``module`` on the device, SyncBatchNorm as configured, compiled when asked, in DDP (the settle step at
+        its first forward, the watchdog's marks)."""
+        if not isinstance(module, nn.Module):
+            raise WrapError(f"{call}(...) got a {type(module).__name__}, not a torch.nn.Module; pass your model.")
+        if isinstance(module, (ServiceDDP, DataParallel)) or isinstance(module, nn.parallel.DistributedDataParallel):
+            raise WrapError(f"{call}(...) got a module already wrapped in {type(module).__name__}; pass the plain "
+                            f"module ({call} moves it to the device, converts its BatchNorm and wraps it itself), "
+                            "e.g. the .module of your wrapper.")  # fmt: skip
+        if any(module is unwrap(model) for model in self.models):
+            raise WrapError(f"{call}(...) got a module it wrapped already; wrap each model once and keep the "
+                            "wrapper it returned.")  # fmt: skip
+        if self.feed is not None:
+            raise WrapError(
+                f"{call}(...) came after training started (the first s.batches); wrap every model "
+                "before it, so that its state is kept and restored before the first step."
+            )
+        wrapped = wrap_model(module, self.config.train, self.config.ddp, self.world, self.device)
+        if isinstance(wrapped, ServiceDDP):
+            wrapped.watch(self.progress)
+        tick_collectives(wrapped, self.progress.collective)
+        self.roles.sink.instrument(wrapped)  # e.g. a comm hook that times DDP's all-reduce
+        self.models.append(wrapped)
+        return wrapped
+
+    def keep(self, objects: Mapping[str, Any], per_rank: bool = False, call: str = "s.keep") -> None:
+        """Keep ``objects`` (shared, or each rank's own) in every checkpoint and snapshot; restore them now on a
+        resume. A :class:`Carry` brings its value back onto this device."""
+        for obj in objects.values():
+            if isinstance(obj, Carry) and obj.on_load is None:
+                obj.on_load = lambda value: to_device(value, self.device)
+        restoring = time.perf_counter()
+        self.kept.keep(objects, per_rank, call)
+        if self.resumed is not None:
+            self.restore_seconds += time.perf_counter() - restoring
+
+    def log(self, scalars: Mapping[str, Any], call: str = "s.log") -> None:
+        """Add named scalars to this log window (world means at the next log line, TensorBoard, Prometheus)."""
+        for name, value in scalars.items():
+            self.window.log(name, scalar(name, value, call))
+
+    def lr(self) -> float | None:
+        """The learning rate of the first kept optimizer (the log line's), or None without one."""
+        for obj in self.kept.shared.values():
+            if isinstance(obj, torch.optim.Optimizer) and obj.param_groups:
+                return float(obj.param_groups[0]["lr"])
+        return None
+
+    # ------------------------------------------------------------------ the data, once known
+    def plan(self, feed: MapFeed | StreamFeed) -> int:
+        """The run's optimizer steps with this feed (a task's schedule needs them before its first step)."""
+        self.total_steps = plan_total_steps(feed, self.state, self.config.train)
+        return self.total_steps
+
+    def begin(self, feed: MapFeed | StreamFeed, why: str) -> None:
+        """Training starts with ``feed``: nothing more is kept; room for the saves; the saved RNG back."""
+        from service.loop.feeds import check_stream
+
+        if self.feed is feed:
+            return
+        if self.feed is not None:
+            raise WrapError(f"{why}: this run trains on one dataset, and a second one came; pass the same dataset "
+                            "to every s.batches call of a session.")  # fmt: skip
+        if feed.stream:
+            saved = (self.kept.saved_own() or {}).get(STREAM)
+            check_stream(feed, self.config.train.max_steps, self.config.train.epochs,  # type: ignore[arg-type]
+                         self.resumed.state if self.resumed else None, saved, self.world.world_size,
+                         self.config.data.stream_resume)  # fmt: skip
+            self.kept.per_rank[STREAM] = feed
+        if not self.kept.shared and not self.kept.per_rank:
+            raise WrapError(f"{why} came before any s.keep(...): nothing would be in the checkpoints, and a resume "
+                            "would start your models afresh. Keep them first: s.keep(model=model, "
+                            "optimizer=optimizer).")  # fmt: skip
+        self.kept.close(why)
+        self.feed = feed
+        if not self.total_steps:
+            self.plan(feed)
+        self.roles.sink.on_plan(self.total_steps)
+        modules = {name: obj for name, obj in self.kept.shared.items() if isinstance(obj, nn.Module)}
+        self.roles.checkpointer.preflight(modules)  # rank 0: room for a checkpoint, before any training
+        self.roles.snapshots.preflight(modules)  # each node's local rank 0: room in shared memory, or none kept
+        resumed = self.resumed
+        if resumed is not None:
+            rng = resumed.state["rng"]
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            saved_batch = resumed.state.get("global_batch")
+            if saved_batch is not None and saved_batch != feed.global_batch:
+                log.warning("the global batch changes from %d (world size %s) to %d (world size %d) at step %d; set "
+                            "train.global_batch_size to keep it constant across resizes", saved_batch,
+                            resumed.state.get("world_size"), feed.global_batch, self.world.world_size,
+                            resumed.step)  # fmt: skip
+        self.roles.goodput.restored(self.restore_seconds)
+
+    # ------------------------------------------------------------------ saving
+    def gather_own(self) -> None:
+        """Every rank's own kept objects (and stream position) to every rank, for a save that may come now. A
+        collective: called on every rank at the same steps; nothing to do without such objects."""
+        if self.kept.per_rank:
+            payloads = all_gather_bytes(self.kept.own_payload(), self.control, self.world.world_size)
+            self._rank_kept = self.kept.gathered(payloads)
+
+    def checkpoint_state(self, checked: bool = True) -> dict[str, Any]:
+        """Everything a resume needs; only tensors and plain containers, so it loads with weights_only=True.
+
+        ``checked=False``, for an in-memory snapshot at every step: the task loop's non-finite record is not
+        read on the host here (no device sync per step); it goes along as ``first_bad``, and the snapshot's
+        writer drops a state recorded bad, off the training thread.
+        """
+        from service import __version__
+
+        extra: dict[str, Any] = {}
+        if self.nonfinite is not None:
+            if checked:
+                self.nonfinite.raise_if_bad()  # never a checkpoint of nan weights
+            else:
+                extra["first_bad"] = self.nonfinite.first_bad
+        return {
+            **extra,
+            "format": FORMAT,
+            **self.kept.states(),
+            **({"rank_kept": self._rank_kept} if self._rank_kept else {}),
+            "loop": dataclasses.asdict(self.state),
+            "rng": saved_rng_state(),
+            "world_size": self.world.world_size,
+            "global_batch": self.feed.global_batch if self.feed is not None else None,
+            "config": self.config_json,
+            "config_hash": self.digest,
+            "lineage": self.lineage or self.roles.checkpointer.lineage,
+            "versions": {"torch": str(torch.__version__), "service": __version__},
+        }
+
+    def save_due(self, step: int) -> None:
+        """After a step: a periodic checkpoint and a snapshot when due (rank 0, each node's local rank 0)."""
+        ckpt = self.config.checkpoint
+        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (ckpt.snapshot_every and
+                                                                  step % ckpt.snapshot_every == 0):  # fmt: skip
+            self.gather_own()
+        self.roles.checkpointer.maybe_save(step, self.checkpoint_state)
+        self.roles.snapshots.capture(step, lambda: self.checkpoint_state(checked=False))
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, status: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The end of this start: the last checkpoint (completed or preempted), every rank past rank 0's save,
+        the snapshots gone, and ``summary.json``."""
+        from service.loop.progress import CHECKPOINT
+
+        self.progress.mark(CHECKPOINT)
+        saving = time.perf_counter()
+        if status != "lock_lost":
+            self.gather_own()
+        self.roles.checkpointer.save(self.state.global_step, self.checkpoint_state)
+        self.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
+        if status == "preempted":
+            dist.barrier(group=self.control)  # nobody leaves before rank 0's checkpoint of this step is on disk
+        self.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now
+        return self._summarize(status, extra, error=self.preemption.lock_lost)
+
+    def fail(self, exc: BaseException, extra: Mapping[str, Any] | None = None) -> None:
+        """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written."""
+        if last_attempt(self.world):
+            self.roles.snapshots.discard()
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
+            self._summarize("failed", extra, error=f"{type(exc).__name__}: {exc}")
+
+    def _summarize(self, status: str, extra: Mapping[str, Any] | None, error: str | None) -> dict[str, Any]:
+        seconds = time.perf_counter() - self.started
+        summary = make_summary(self, status, seconds, self.state.samples_seen - self.start_samples, error)
+        summary.update(extra or {})
+        self.roles.summary.write(summary)
+        self.summary = summary
+        return summary
+
+    def close(self) -> None:
+        """Stop the watchdog and the roles' threads and files; let go of the models (the group is destroyed next)."""
+        self.watchdog.stop()
+        try:
+            self.roles.close()
+        finally:
+            for model in self.models:
+                if isinstance(model, ServiceDDP):
+                    model.release()
+            self.models.clear()
+            self.kept.shared.clear()
+            self.kept.per_rank.clear()
+            self.feed = None
+
+
+def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: str | None = None) -> dict[str, Any]:
+    """What ``summary.json`` holds; ``samples_per_second`` counts what this start trained, not the samples before
+    the resumed step. The task loop adds its evaluation's entries (``final_loss``, ``eval_metric``, ...)."""
+    state, roles, feed = rt.state, rt.roles, rt.feed
+    micro_steps = getattr(getattr(feed, "plan", None), "micro_steps", 1)
+    return {
+        "status": status,
+        "stopped_at_step": state.global_step if status != "completed" else None,
+        "error": error,
+        "resumed_from": rt.resumed.describe() if rt.resumed else None,
+        "task": rt.label,
+        "model_digest": rt.kept.digest(),
+        "global_step": state.global_step,
+        "total_steps": rt.total_steps,
+        "samples_seen": state.samples_seen,
+        "epochs_completed": state.epochs_completed,
+        "world_size": rt.world.world_size,
+        "global_batch_size": feed.global_batch if feed is not None else None,
+        "grad_accum": micro_steps,
+        "restarts": rt.world.restart_count,
+        "nonfinite_steps": rt.nonfinite.skipped if rt.nonfinite is not None else 0,
+        "final_loss": None,
+        "eval_metric": {"name": None, "value": None},
+        "eval_metrics": {},
+        "logged": dict(rt.last_report.world_values) if rt.last_report is not None else {},
+        "checkpoint": {
+            "last": str(roles.checkpointer.last_path or "") or None,
+            "failures": roles.checkpointer.failures,
+            "best": roles.checkpointer.best.describe() if roles.checkpointer.best else None,
+        },
+        "snapshots": {"written": roles.snapshots.written, "skipped": roles.snapshots.skipped},
+        "goodput": roles.goodput.finish(status),  # rank 0: the job's breakdown over every start (None else)
+        "wall_seconds": round(seconds, 3),
+        "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,
+        "launcher": rt.world.launcher,
+        "scheduler": rt.world.scheduler,
+        "device": rt.device.type,
+    }

@@ -1,0 +1,325 @@
+"""``service.Session``: the service for a script that keeps its own training loop.
+
+::
+
+    with service.Session("job.yaml", overrides=["train.max_steps=200"]) as s:
+        netG, netD = s.model(Generator()), s.model(Discriminator())
+        optG, optD = Adam(netG.parameters()), Adam(netD.parameters())
+        s.keep(netG=netG, netD=netD, optG=optG, optD=optD)    # restored here on a resume
+        for batch in s.batches(dataset, batch_size=64):        # one optimizer step's batch, on the device
+            ...                                                # the script's own step
+            s.log(loss_D=errD, loss_G=errG)
+
+The session starts as ``ddp-service train`` does (the preemption handlers first, the launcher's environment, the
+run_dir lock, the process group, the config and resume agreements, metrics, the goodput ledger, snapshots, the
+hang watchdog) on the same :class:`~service.loop.runtime.Runtime` as the built-in task loop, whose step boundary
+(:mod:`service.loop.stepping`) works between two batches. A preemption ends ``s.batches`` after the checkpoint of
+its step by raising :class:`Preempted` (a ``SystemExit`` of 75): the rest of the ``with`` block does not run,
+``summary.json`` says ``preempted``, and the process exits 75. An exception writes ``status: failed`` and goes on.
+
+Without ``with`` (a module-level script ported with few changed lines): ``s = service.Session().start()``; the
+session then ends when the interpreter does (completed), or at an uncaught exception (failed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
+from service.state.preemption import EXIT_FAILED, EXIT_PREEMPTED, Preemption
+
+log = logging.getLogger("service.loop.train")
+
+
+class SessionError(RuntimeError):
+    """A session used out of order (a call before ``start``); the message names the call and the fix."""
+
+
+class Stopped(SystemExit):
+    """``s.batches`` ended the run before its last step; the process exits with :attr:`code`."""
+
+
+class Preempted(Stopped):
+    """A preemption (SIGTERM, SIGUSR1) stopped every rank at one step, after its checkpoint: exit 75, rerun to
+    resume. Catch it to run something first; re-raise it to keep the exit code."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_PREEMPTED)
+
+
+class LockLost(Stopped):
+    """rank 0 lost the run_dir lock (another job may own it now): every rank stopped, nothing more saved; exit 1."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_FAILED)
+
+
+def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
+    """``--config FILE`` and ``--set KEY=VALUE`` (either as ``--opt=value``) out of a script's arguments: (the file,
+    the overrides, the script's own arguments, in their order)."""
+    path: str | None = None
+    overrides: list[str] = []
+    rest: list[str] = []
+    items = iter(argv)
+    for item in items:
+        name, sep, value = item.partition("=")
+        if name in ("--config", "--set"):
+            if not sep:
+                value = next(items, None)  # type: ignore[assignment]
+                if value is None:
+                    example = "job.yaml" if name == "--config" else "train.lr=0.1"
+                    raise ConfigError([f"{name} needs a value, e.g. {name} {example}"], "The command line")
+            if name == "--config":
+                path = value
+            else:
+                overrides.append(value)
+        else:
+            rest.append(item)
+    return path, overrides, rest
+
+
+class Session:
+    """The service around a script's own loop (module docstring). Public API: add, never rename."""
+
+    def __init__(self, config: str | Path | JobConfig | None = None, overrides: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        self._config_arg, self._overrides, self._env = config, list(overrides), env
+        self._runtime: Any = None
+        self._stack: contextlib.ExitStack | None = None
+        self._preemption: Preemption | None = None
+        self._feeds: dict[tuple[Any, ...], Any] = {}
+        self._epoch: int | None = None
+        self._closed = False
+        self._with = False
+        self.rank = self.local_rank = 0
+        self.world_size = 1
+        self.device: Any = None
+        self.config: JobConfig | None = None
+
+    # ------------------------------------------------------------------ start and end
+    def __enter__(self) -> Session:
+        self._with = True
+        return self.start()
+
+    def start(self) -> Session:
+        """Start the session (``with`` does): the preemption handlers first, then the world, the lock, the group."""
+        if self._runtime is not None:
+            return self
+        self._preemption = Preemption()  # first thing: a signal during start-up is kept until the first agreement
+        try:
+            self._open()
+        except BaseException:
+            self._preemption.close()
+            raise
+        if not self._with:
+            atexit.register(self._at_exit)
+            previous = sys.excepthook
+
+            def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+                self.close(exc)
+                previous(kind, exc, tb)
+
+            sys.excepthook = on_uncaught
+        return self
+
+    def _open(self) -> None:
+        from service.loop.runtime import Runtime
+        from service.state.consistency import ConfigMismatchError
+        from service.state.resume import ResumeError
+        from service.telemetry.logs import configure_logging, log_level
+        from service.world.env import EnvError, detect_world
+        from service.world.preflight import check_against_world
+
+        env = os.environ if self._env is None else self._env
+        try:
+            config = self._load_config()
+            world = detect_world(env)
+            check_against_world(config, world)
+            refuse_unused(config)
+        except (ConfigError, EnvError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        configure_logging(world.rank, log_level(world.rank, config.logging.all_ranks))
+        label = f"session:{Path(sys.argv[0]).name or 'python'}"
+        self._stack = contextlib.ExitStack()
+        try:
+            preemption = self._preemption or Preemption()
+            self._runtime = self._stack.enter_context(Runtime.opened(config, world, preemption, sys.stderr.isatty(),
+                                                                     label))  # fmt: skip
+        except (ConfigMismatchError, ResumeError) as exc:  # at start, on every rank: no traceback; exit 2
+            self._stack.close()
+            log.error("%s", exc)
+            raise SystemExit(exc.exit_code) from None
+        self.config, self.rank, self.world_size = config, world.rank, world.world_size
+        self.local_rank, self.device = world.local_rank, self._runtime.device
+
+    def _load_config(self) -> JobConfig:
+        given = self._config_arg
+        if isinstance(given, JobConfig):
+            if not self._overrides:
+                return given
+            data = apply_overrides(given.model_dump(mode="json", by_alias=True), self._overrides)
+            return build_config(data, "The session's config", {o.partition("=")[0]: o for o in self._overrides})
+        if given is None and not self._overrides:
+            path, overrides, rest = split_argv(sys.argv[1:])
+            sys.argv[1:] = rest  # the script's own parser sees only its own arguments
+            return load_config(path, overrides)
+        return load_config(given, self._overrides)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:  # fmt: skip
+        self.close(exc)
+        return False
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """End the session: the last checkpoint and ``summary.json`` (``completed``; ``failed`` for ``exc``), then
+        the group and the lock."""
+        if self._closed or self._runtime is None:
+            return
+        self._closed = True
+        rt = self._runtime
+        try:
+            if isinstance(exc, Stopped):
+                pass  # s.batches wrote the summary of the stop before raising it
+            elif exc is not None:
+                rt.fail(exc)
+                _record_error(exc)
+            elif rt.summary is None:
+                from service.loop.stepping import finish_in_flight
+
+                finish_in_flight(rt)  # a break after a step's body: that step counts
+                rt.finish(rt.stopped or "completed")
+        finally:
+            if self._stack is not None:
+                self._stack.close()
+            if self._preemption is not None and self._with:
+                self._preemption.close()
+
+    def _at_exit(self) -> None:
+        self.close(None)
+
+    # ------------------------------------------------------------------ the public calls
+    @property
+    def _rt(self) -> Any:
+        if self._runtime is None:
+            raise SessionError("this Session has not started: use `with service.Session(...) as s:` or "
+                               "`s = service.Session(...).start()` before its other calls.")  # fmt: skip
+        return self._runtime
+
+    def model(self, module: Any) -> Any:
+        """``module`` on the device, SyncBatchNorm per ``train.sync_batchnorm``, compiled per ``train.compile``, in
+        DDP with the ``ddp.*`` options (its settle step at the first forward). Call it before ``s.batches``."""
+        return self._rt.model(module, call="s.model")
+
+    def unwrap(self, model: Any) -> Any:
+        """The plain module under the wrappers ``s.model`` put around it."""
+        from service.loop.parallel import unwrap
+
+        return unwrap(model)
+
+    def keep(self, **objects: Any) -> None:
+        """Keep objects with ``state_dict``/``load_state_dict`` (modules, optimizers, schedulers, GradScalers, your
+        own) in every checkpoint and snapshot; on a resume each is loaded here, at once. Before ``s.batches``."""
+        self._rt.keep(objects, False, "s.keep")
+
+    def keep_rank(self, **objects: Any) -> None:
+        """As ``keep``, each rank's own copy (a hidden state, a per-rank stream): back to its own rank at the same
+        world size; at another, left as built, with one warning naming them."""
+        self._rt.keep(objects, True, "s.keep_rank")
+
+    def log(self, **scalars: Any) -> None:
+        """Scalars (numbers or 0-d tensors) for rank 0's world-mean log line, TensorBoard and Prometheus; a name in
+        ``checkpoint.best.metric`` ranks the checkpoints."""
+        self._rt.log(scalars, "s.log")
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left (``train.epochs``, from the one a resume stands in); within one, ``s.batches`` gives that
+        epoch's batches only."""
+        rt, epochs = self._rt, self._rt.config.train.epochs
+        while (
+            rt.stopped is None
+            and rt.state.epoch < epochs
+            and not (rt.total_steps and rt.state.global_step >= rt.total_steps)
+        ):
+            epoch = self._epoch = rt.state.epoch
+            try:
+                yield epoch
+            finally:
+                self._epoch = None
+            if rt.state.epoch == epoch:  # the body left its epoch unfinished (a break, or no s.batches)
+                return
+
+    def batches(self, dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None,
+                shuffle: bool = True, shard: bool = True, drop_last: bool = True) -> Iterator[Any]:  # fmt: skip
+        """One optimizer step's batch at a time, on the device (any nesting of tensors). Map-style datasets go
+        through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
+        dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
+        dataset (a stream) is sharded over the ranks and resumes from its state."""
+        from service.loop.batches import to_device
+        from service.loop.stepping import Hooks, steps
+
+        rt = self._rt
+        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+        hooks = Hooks(reported=self._reported)
+        for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
+            yield to_device(fed.batches[0], rt.device, non_blocking=True)
+        if rt.stopped is not None:
+            rt.finish(rt.stopped)
+            raise Preempted() if rt.stopped == "preempted" else LockLost()
+
+    def _reported(self, report: Any) -> None:
+        """``checkpoint.best`` on a script's logged numbers: at each log line, its world means."""
+        rt = self._rt
+        if rt.config.checkpoint.best is not None:
+            rt.gather_own()
+            rt.roles.checkpointer.on_eval(rt.state.global_step, report.world_values, rt.checkpoint_state)
+
+    def _feed(self, dataset: Any, batch_size: int, collate_fn: Any, shuffle: bool, shard: bool,
+              drop_last: bool) -> Any:  # fmt: skip
+        from service.loop.session_data import make_feed
+
+        key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
+        if key not in self._feeds:
+            self._feeds[key] = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+        return self._feeds[key]
+
+
+def refuse_unused(config: JobConfig) -> None:
+    """Config keys a script's own loop cannot honour (it steps its own optimizer), when set: an error naming each."""
+    train, problems = config.train, []
+    if train.grad_clip != "auto":
+        problems.append(f"train.grad_clip={train.grad_clip}: the script steps its own optimizer, so clip in its step "
+                        "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) and leave train.grad_clip "
+                        "unset")  # fmt: skip
+    if train.lr_schedule != "auto":
+        problems.append(
+            f"train.lr_schedule={train.lr_schedule}: the script steps its own optimizer, so build its "
+            "schedule in the script (and keep it with s.keep) and leave train.lr_schedule unset"
+        )
+    if config.init_from is not None:
+        problems.append("init_from: a script loads its own weights (model.load_state_dict(...)) before s.model; "
+                        "init_from is for task jobs")  # fmt: skip
+    if train.strategy != "ddp":
+        problems.append(f"train.strategy={train.strategy}: a session wraps its models in DDP")
+    if train.grad_accum != 1 or train.global_batch_size is not None:
+        problems.append("train.grad_accum / train.global_batch_size: a script accumulates in its own step; "
+                        "s.batches(dataset, batch_size) gives batch_size samples per rank per step")  # fmt: skip
+    if problems:
+        raise ConfigError(problems, "The job config, for a session,")
+
+
+def _record_error(exc: BaseException) -> None:
+    """torchrun's error file for this worker (what ``@record`` writes for ``ddp-service train``)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(exc)

@@ -1,0 +1,58 @@
+"""The data of a session's ``s.batches``: its dataset as a feed (:mod:`service.loop.feeds`), checked first."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from service.loop.batches import checked_collate
+from service.loop.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
+from service.world.distributed import all_agree
+
+log = logging.getLogger("service.loop.train")
+
+
+def make_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list[Any]], Any] | None, shuffle: bool,
+              shard: bool, drop_last: bool) -> MapFeed | StreamFeed:  # fmt: skip
+    """A feed of ``batch_size`` samples per rank and step; every rank must call it alike (it may agree)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise FeedError(f"s.batches(dataset, batch_size={batch_size!r}): batch_size is the samples per rank and step, "
+                        "a whole number of at least 1, e.g. s.batches(dataset, batch_size=64).")  # fmt: skip
+    if collate_fn is not None and not callable(collate_fn):
+        raise FeedError(f"s.batches(..., collate_fn={collate_fn!r}): collate_fn must be a function of a list of "
+                        "samples, e.g. torch.utils.data.default_collate, or None.")  # fmt: skip
+    config, world = rt.config, rt.world
+    collate = collate_fn or checked_collate(rt.label)
+    agree = all_agree(rt.control)
+    if is_stream(dataset):
+        return StreamFeed(dataset, batch_size, world.world_size, world.rank, config.data, config.seed, collate, agree,
+                          shard=shard, drop_last=drop_last)  # fmt: skip
+    if not (callable(getattr(dataset, "__len__", None)) and callable(getattr(dataset, "__getitem__", None))):
+        raise FeedError(f"s.batches got a {type(dataset).__name__}, which is neither a map-style dataset (__len__ and "
+                        "__getitem__) nor an iterable one (torch.utils.data.IterableDataset, a datasets stream). "
+                        "Pass a Dataset, a list of samples, or a stream.")  # fmt: skip
+    length = len(dataset)
+    if not shard:
+        shortest, longest = agree([length, -length])
+        if shortest != -longest:
+            raise FeedError(f"s.batches(..., shard=False): the ranks' own datasets have {shortest} to {-longest} "
+                            f"samples (this rank: {length}); every rank must take the same number of steps, so give "
+                            "each rank a share of the same length (batchify trims the remainder: trim it to a "
+                            "length every rank shares).")  # fmt: skip
+        saved = rt.resumed.state.get("world_size") if rt.resumed is not None else None
+        if saved is not None and saved != world.world_size:
+            log.warning(
+                "s.batches(..., shard=False) resumes at world size %d a position saved at world size %s: each "
+                "rank goes on at the same index of its own (new) share of the data",
+                world.world_size,
+                saved,
+            )
+    if length < 1:
+        raise FeedError("s.batches got an empty dataset; check how the script builds it.")
+    plan = map_plan(dataset, config.seed, batch_size, world.world_size, world.rank, shard, shuffle, drop_last)
+    if plan.steps_in_epoch(0) == 0:
+        raise FeedError(f"s.batches: {length} samples make no whole step of {plan.global_batch} "
+                        f"({batch_size} per rank x {plan.world_size} rank(s)) with drop_last=True; lower batch_size "
+                        "or pass drop_last=False.")  # fmt: skip
+    return MapFeed(dataset, plan, config.data, config.seed, collate)
