@@ -30,28 +30,18 @@ import torch
 from torch import nn
 
 from service.loop.parallel import unwrap
-from service.state.checkpoint_io import load_tensors
+from service.state.checkpoint_io import TASK_KEPT, kept_names, load_tensors  # noqa: F401 (TASK_KEPT: re-exported)
 
 log = logging.getLogger(__name__)
 
 # The loop's own entries of a checkpoint: no kept object may take one of these names.
 RESERVED = frozenset({"format", "kept", "rank_kept", "loop", "rng", "world_size", "global_batch", "config",
                       "config_hash", "lineage", "versions", "first_bad", "data"})  # fmt: skip
-TASK_KEPT = ("model", "optimizer", "scheduler", "scaler")  # what a checkpoint without ``kept`` holds
 STREAM = "__stream__"  # a stream's loader position, among each rank's own states (no user name looks like it)
 
 
 class KeepError(TypeError):
     """A kept object, its name or its call does not fit; the message names the call and the fix."""
-
-
-def kept_names(state: Mapping[str, Any]) -> list[str]:
-    """The names of the shared objects a checkpoint holds (a checkpoint without ``kept``: a task job's four; its
-    ``scaler`` entry may be missing, which reads as None: no gradient scaler)."""
-    names = state.get("kept")
-    if names is None:
-        return list(TASK_KEPT)
-    return [str(name) for name in names]
 
 
 def _has_state(obj: Any) -> bool:

@@ -1,4 +1,5 @@
-"""``ddp-service export RUN_DIR [--step N|best|latest] [--format safetensors|pt] OUT``: the weights alone.
+"""``ddp-service export RUN_DIR [--step N|best|latest] [--module NAME] [--format safetensors|pt] OUT``: the weights
+alone (of one kept module: a task job's model, or the one a script's ``s.keep`` named).
 
 The checkpoint is read only after its manifest's checks pass; the file written
 holds the model's state dict (no ``module.``/``_orig_mod.`` prefix) and
@@ -21,6 +22,12 @@ def add_parser(commands: Any) -> None:
     command.add_argument("run_dir", help="the run's run_dir (or its checkpoints/ directory)")
     command.add_argument("out", help="the file to write (its directory must exist)")
     command.add_argument("--step", default="latest", help="a step number, latest (the default) or best")
+    command.add_argument(
+        "--module",
+        default=None,
+        metavar="NAME",
+        help="the kept module to write (a script's s.keep name, e.g. netG); default: the only one",
+    )
     command.add_argument("--format", dest="fmt", choices=("safetensors", "pt"), default=None,
                          help="default: pt for an OUT ending in .pt or .pth, else safetensors")  # fmt: skip
 
@@ -38,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if not out.parent.is_dir():
             raise WeightsError(f"the directory of {out} does not exist; create it first (mkdir -p {out.parent})")
         directory, step = pick_step(run_dir, args.step)
-        weights = checkpoint_weights(directory, step)
+        weights = checkpoint_weights(directory, step, args.module)
         copies = export_weights(weights, out, fmt, {"ddp_service_step": str(step), "source": str(run_dir)})
     except WeightsError as exc:
         print(f"error: {exc}", file=sys.stderr)

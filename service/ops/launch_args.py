@@ -75,8 +75,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-_USAGE = ("ddp-service launch [job.yaml] [--set KEY=VALUE ...] [--script train.py [-- ARGS]] [--nproc-per-node auto|N] "
-          "[torchrun options]")
+_USAGE = (
+    "ddp-service launch [job.yaml] [--set KEY=VALUE ...] [--script train.py [-- ARGS]] [--nproc-per-node auto|N] "
+    "[torchrun options]"
+)
 _ADDS = """\
 Run the job under torchrun's agent in one command: torchrun [torchrun options] -m service train
 [job.yaml] [--set ...] (or, with --script train.py, your script: train.py [--config job.yaml]
@@ -108,8 +110,12 @@ def launch_help() -> str:
     group.add_argument("job.yaml", nargs="?", help="the job file; omitted: the embedded defaults (the demo)")
     group.add_argument("--set", metavar="KEY=VALUE", help="override one config key, as in `ddp-service train` "
                        "(repeatable): --set train.lr=0.1")  # fmt: skip
-    group.add_argument("--script", metavar="PATH", help="run this script (its own loop, on service.Session) instead "
-                       "of the task job; it gets --config job.yaml and the --set options, and what follows `--`")
+    group.add_argument(
+        "--script",
+        metavar="PATH",
+        help="run this script (its own loop, on service.Session) instead "
+        "of the task job; it gets --config job.yaml and the --set options, and what follows `--`",
+    )
     group.add_argument("--nproc-per-node", metavar="auto|N", help="processes on this node; auto (the default): "
                        "one per GPU, else 2 CPU processes; also torchrun's words (gpu, cpu)")  # fmt: skip
     group.add_argument("-h", "--help", action="store_true", help="show this help and exit")

@@ -31,7 +31,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, cast
 
@@ -45,6 +45,28 @@ _NAME = re.compile(r"^step-(\d{8})\.(pt|json)$")
 _MAX_MANIFEST_BYTES = 64 * 1024
 REQUIRED_KEYS = ("format", "loop", "rng", "config")  # and each kept object it names (``kept``)
 TASK_KEPT_KEYS = ("model", "optimizer", "scheduler")  # what a checkpoint written before ``kept`` always held
+TASK_KEPT = (*TASK_KEPT_KEYS, "scaler")  # a task job's kept objects (a missing ``scaler`` entry reads as None)
+
+
+def kept_names(state: Mapping[str, Any]) -> list[str]:
+    """The names of the shared objects a checkpoint holds (a checkpoint without ``kept``: a task job's four)."""
+    names = state.get("kept")
+    if names is None:
+        return list(TASK_KEPT)
+    return [str(name) for name in names]
+
+
+def module_names(state: Mapping[str, Any]) -> list[str]:
+    """The kept objects of a checkpoint that are modules' weights: a non-empty mapping of names to tensors."""
+
+    def weights(value: Any) -> bool:
+        return (
+            isinstance(value, dict)
+            and bool(value)
+            and all(isinstance(key, str) and isinstance(tensor, torch.Tensor) for key, tensor in value.items())
+        )
+
+    return [name for name in kept_names(state) if weights(state.get(name))]
 
 
 def missing_keys(state: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from service.state.checkpoint_io import (
     load_tensors,
     manifest_name,
     missing_keys,
+    module_names,
     read_verified,
     state_name,
 )
@@ -111,12 +112,29 @@ def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:
     return directory, step
 
 
-def checkpoint_weights(directory: Path, step: int) -> dict[str, Tensor]:
-    """The model weights of a checkpoint, read only after its manifest's size and sha256 match."""
+def pick_module(state: dict[str, Any], module: str | None, source: str) -> str:
+    """The kept module to read: ``module``, or the checkpoint's one module (a task job's ``model``); a checkpoint of
+    a script that kept several names them."""
+    names = module_names(state)
+    if module is not None:
+        if module not in names:
+            raise WeightsError(f"{source} has no kept module {module!r}; its modules are {', '.join(names) or 'none'}. "
+                               "Pass one of them to --module.")  # fmt: skip
+        return module
+    if len(names) == 1:
+        return names[0]
+    raise WeightsError(f"{source} keeps {len(names)} modules ({', '.join(names) or 'none'}); say which with "
+                       f"--module NAME, e.g. --module {names[0] if names else 'model'}.")  # fmt: skip
+
+
+def checkpoint_weights(directory: Path, step: int, module: str | None = None) -> dict[str, Tensor]:
+    """A kept module's weights (``module``, or the only one) from a checkpoint, read only after its manifest's size
+    and sha256 match."""
     source = directory / state_name(step)
     try:
         _, payload = read_verified(directory, step)
-        return _tensors(load_state(payload, str(source))["model"], str(source))
+        state = load_state(payload, str(source))
+        return _tensors(state[pick_module(state, module, str(source))], str(source))
     except UnsafeCheckpointError as exc:
         raise WeightsError(str(exc)) from None
     except ValueError as exc:
