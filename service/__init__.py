@@ -1,7 +1,7 @@
 """ddp-service: elastic multi-node PyTorch DDP training.
 
 Kept import-light: torchrun imports ``service.rendezvous`` through an entry point, so the public names of a
-script's own loop (:class:`Session`, :class:`Carry`, :class:`Preempted`) are loaded on first use.
+script's own loop (:class:`Session`, :class:`Carry`, :class:`Variables`, :class:`Preempted`) are loaded on first use.
 """
 
 from __future__ import annotations
@@ -10,13 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Carry", "Preempted", "Session", "__version__"]
+__all__ = ["Carry", "Preempted", "Session", "Variables", "__version__"]
 
 if TYPE_CHECKING:
-    from service.loop.kept import Carry
+    from service.loop.kept import Carry, Variables
     from service.loop.session import Preempted, Session
 
-_PUBLIC = {"Session": "service.loop.session", "Preempted": "service.loop.session", "Carry": "service.loop.kept"}
+_PUBLIC = {
+    "Session": "service.loop.session",
+    "Preempted": "service.loop.session",
+    "Carry": "service.loop.kept",
+    "Variables": "service.loop.kept",
+}
 
 
 def __getattr__(name: str) -> Any:

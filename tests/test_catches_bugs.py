@@ -101,24 +101,26 @@ import json, os, sys
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from service.config import load_config
-from service.world.distributed import distributed
+from service.loop.runtime import Runtime
+from service.loop.stepping import steps
+from service.loop.train import build_job, optimizer_step
+from service.state.preemption import Preemption
 from service.world.env import detect_world
-from service.loop.train import _Window, build_job, train_epoch
 
 
-def run(config, world, ctx):
-    job = build_job(config, world, ctx)
-    calls = []
+def run(config, world):
+    with Runtime.opened(config, world, Preemption()) as runtime:
+        job = build_job(runtime)
+        calls = []
 
-    def counting(state, bucket):
-        calls.append([bucket.index(), bool(bucket.is_last())])
-        return allreduce_hook(None, bucket)
+        def counting(state, bucket):
+            calls.append([bucket.index(), bool(bucket.is_last())])
+            return allreduce_hook(None, bucket)
 
-    job.model.register_comm_hook(None, counting)
-    state = job.state
-    train_epoch(job, state, _Window(job.device, job.world_sum), [])
-    job.roles.close()
-    return {"calls": calls, "steps": state.global_step, "micro_steps": job.plan.micro_steps}
+        job.model.register_comm_hook(None, counting)
+        for fed in steps(runtime, job.feed, one_epoch=True):
+            optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
+        return {"calls": calls, "steps": runtime.state.global_step, "micro_steps": job.feed.plan.micro_steps}
 
 
 out, run_dir, accum = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -129,8 +131,7 @@ config = load_config(None, [
     "train.log_every=1000", "metrics.tensorboard=false", "checkpoint.every_steps=0", "checkpoint.resume=never",
 ])
 world = detect_world(os.environ)
-with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx:
-    result = run(config, world, ctx)
+result = run(config, world)
 with open(f"{out}.rank{world.rank}", "w") as file:
     json.dump(result, file)
 """

@@ -193,7 +193,9 @@ class StreamFeed:
         return max(0, full - cursor // self.global_batch)
 
     def epoch_done(self, cursor: int) -> bool:
-        return True  # a stream's steps end only when one of its shards does
+        """Whether ``max_steps`` fell on the end of an epoch: not known of a stream (its end shows only when it is
+        read), so no; a resume reads on in this epoch, and finds its end if it was there."""
+        return False
 
     def steps(self, epoch: int, cursor: int) -> Iterator[Fed]:
         if callable(getattr(self.dataset, "set_epoch", None)):

@@ -188,15 +188,25 @@ class Kept:
 
 
 class Carry:
-    """A per-rank value kept across steps and restored on resume: ``s.keep_rank(hidden=carry)``, then ``carry.value``.
+    """A value kept across steps and restored on a resume: ``s.keep_rank(hidden=carry)`` (each rank's own) or
+    ``s.keep(...)``; set ``carry.value`` after each step, read it back with :meth:`take`.
 
-    Holds any nesting of tensors (a TBPTT hidden state: a tensor or a tuple of them); ``state_dict`` keeps them
-    detached, on the CPU. ``make`` builds the value when nothing is carried (``carry.value or make()``).
+    Holds any nesting of tensors and numbers (a TBPTT hidden state: a tensor or a tuple of them); ``state_dict``
+    keeps tensors detached, on the CPU, and a session's ``keep`` brings them back onto its device.
     """
 
     def __init__(self, value: Any = None, on_load: Callable[[Any], Any] | None = None) -> None:
         self.value = value
         self.on_load = on_load  # e.g. lambda value: value.to(device)
+        self._restored = False
+
+    def take(self, default: Any = None) -> Any:
+        """The value a resume restored, once; ``default`` otherwise: ``hidden = carry.take(model.init_hidden(bsz))``
+        starts each epoch as the uninterrupted run does, and a resumed one where it stopped."""
+        if not self._restored:
+            return default
+        self._restored = False
+        return self.value
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": _detached(self.value)}
@@ -204,6 +214,28 @@ class Carry:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         value = state.get("value")
         self.value = self.on_load(value) if self.on_load is not None and value is not None else value
+        self._restored = value is not None
+
+
+class Variables:
+    """A script's own variables, by name, in a namespace (a module's ``globals()``): kept and restored as they
+    are, e.g. ``s.keep(loop=service.Variables(globals(), "lr", "best_val_loss"))`` for a learning rate a script
+    anneals by hand between epochs. Numbers, strings, None and tensors (in plain containers)."""
+
+    def __init__(self, namespace: dict[str, Any], *names: str) -> None:
+        missing = [name for name in names if name not in namespace]
+        if missing:
+            raise KeepError(f"service.Variables(..., {', '.join(map(repr, names))}): {', '.join(missing)} not "
+                            "defined yet; keep a variable after the line that first sets it.")  # fmt: skip
+        self.namespace, self.names = namespace, names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: _detached(self.namespace[name]) for name in self.names}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name in self.names:
+            if name in state:
+                self.namespace[name] = state[name]
 
 
 def _detached(value: Any) -> Any:

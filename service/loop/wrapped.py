@@ -18,7 +18,8 @@ marks, the user module's own attributes, and a wrapper that stays usable after i
   a rank that loops in its forward from one that waits in the gradient
   all-reduce (:mod:`service.loop.progress`).
 - **Attributes.** ``model.init_hidden(...)``, ``model.config``: what the wrapped
-  module has, the wrapper answers (as Lightning Fabric's wrapper does).
+  module has, the wrapper answers (as Lightning Fabric's wrapper does); its
+  ``state_dict`` is the module's, without DDP's ``module.`` prefix.
 - **Released.** When its session ends the wrapper drops DDP's reducer and
   process group (the group is destroyed next) and forwards to the module alone:
   a script that generates samples after training still can.
@@ -87,6 +88,18 @@ class ServiceDDP(DistributedDataParallel):
                 parameter.grad = grad
             self.train(was_training)
             self.require_backward_grad_sync = syncs
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own state dict: its keys as in the script's model, no ``module.`` prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Into the module, with its own keys (what :meth:`state_dict` gives)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``torch.save(model)`` of the wrapper saves the script's module: no DDP, process group or hooks in it."""
+        return self.module.__reduce_ex__(protocol)
 
     def __getattr__(self, name: str) -> Any:
         try:
