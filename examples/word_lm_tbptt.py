@@ -3,43 +3,58 @@
 # its data.py and model.py sit unchanged in examples/word_language_model/ (put that folder on PYTHONPATH).
 # coding: utf-8
 import argparse
+import time
 import math
 import os
-import time
-
-import data
 import torch
 import torch.nn as nn
 import torch.onnx
-from model import PositionalEncoding, RNNModel, TransformerModel
-
 import service
 
-parser = argparse.ArgumentParser(description="PyTorch Wikitext-2 RNN/LSTM/GRU/Transformer Language Model")
-parser.add_argument("--data", type=str, default="./data/wikitext-2", help="location of the data corpus")
-parser.add_argument(
-    "--model", type=str, default="LSTM", help="type of network (RNN_TANH, RNN_RELU, LSTM, GRU, Transformer)"
-)
-parser.add_argument("--emsize", type=int, default=200, help="size of word embeddings")
-parser.add_argument("--nhid", type=int, default=200, help="number of hidden units per layer")
-parser.add_argument("--nlayers", type=int, default=2, help="number of layers")
-parser.add_argument("--lr", type=float, default=20, help="initial learning rate")
-parser.add_argument("--clip", type=float, default=0.25, help="gradient clipping")
-parser.add_argument("--epochs", type=int, default=40, help="upper epoch limit")
-parser.add_argument("--batch_size", type=int, default=20, metavar="N", help="batch size")
-parser.add_argument("--bptt", type=int, default=35, help="sequence length")
-parser.add_argument("--dropout", type=float, default=0.2, help="dropout applied to layers (0 = no dropout)")
-parser.add_argument("--tied", action="store_true", help="tie the word embedding and softmax weights")
-parser.add_argument("--seed", type=int, default=1111, help="random seed")
-parser.add_argument("--log-interval", type=int, default=200, metavar="N", help="report interval")
-parser.add_argument("--save", type=str, default="model.pt", help="path to save the final model")
-parser.add_argument("--onnx-export", type=str, default="", help="path to export the final model in onnx format")
-parser.add_argument(
-    "--nhead", type=int, default=2, help="the number of heads in the encoder/decoder of the transformer model"
-)
-parser.add_argument("--dry-run", action="store_true", help="verify the code and the model")
-parser.add_argument("--accel", action="store_true", help="Enables accelerated training")
-parser.add_argument("--use-optimizer", action="store_true", help="Uses AdamW optimizer for gradient updating")
+import data
+from model import PositionalEncoding, RNNModel, TransformerModel
+
+parser = argparse.ArgumentParser(description='PyTorch Wikitext-2 RNN/LSTM/GRU/Transformer Language Model')
+parser.add_argument('--data', type=str, default='./data/wikitext-2',
+                    help='location of the data corpus')
+parser.add_argument('--model', type=str, default='LSTM',
+                    help='type of network (RNN_TANH, RNN_RELU, LSTM, GRU, Transformer)')
+parser.add_argument('--emsize', type=int, default=200,
+                    help='size of word embeddings')
+parser.add_argument('--nhid', type=int, default=200,
+                    help='number of hidden units per layer')
+parser.add_argument('--nlayers', type=int, default=2,
+                    help='number of layers')
+parser.add_argument('--lr', type=float, default=20,
+                    help='initial learning rate')
+parser.add_argument('--clip', type=float, default=0.25,
+                    help='gradient clipping')
+parser.add_argument('--epochs', type=int, default=40,
+                    help='upper epoch limit')
+parser.add_argument('--batch_size', type=int, default=20, metavar='N',
+                    help='batch size')
+parser.add_argument('--bptt', type=int, default=35,
+                    help='sequence length')
+parser.add_argument('--dropout', type=float, default=0.2,
+                    help='dropout applied to layers (0 = no dropout)')
+parser.add_argument('--tied', action='store_true',
+                    help='tie the word embedding and softmax weights')
+parser.add_argument('--seed', type=int, default=1111,
+                    help='random seed')
+parser.add_argument('--log-interval', type=int, default=200, metavar='N',
+                    help='report interval')
+parser.add_argument('--save', type=str, default='model.pt',
+                    help='path to save the final model')
+parser.add_argument('--onnx-export', type=str, default='',
+                    help='path to export the final model in onnx format')
+parser.add_argument('--nhead', type=int, default=2,
+                    help='the number of heads in the encoder/decoder of the transformer model')
+parser.add_argument('--dry-run', action='store_true',
+                    help='verify the code and the model')
+parser.add_argument('--accel', action='store_true',
+                    help='Enables accelerated training')
+parser.add_argument('--use-optimizer', action='store_true',
+                    help='Uses AdamW optimizer for gradient updating')
 s = service.Session().start()  # takes --config/--set off the command line; DDP from here on
 args = parser.parse_args()
 
@@ -73,7 +88,6 @@ corpus = data.Corpus(args.data)
 # dependence of e. g. 'g' on 'f' can not be learned, but allows more efficient
 # batch processing.
 
-
 def batchify(data, bsz):
     # Work out how cleanly we can divide the dataset into bsz parts.
     nbatch = data.size(0) // bsz
@@ -83,12 +97,8 @@ def batchify(data, bsz):
     data = data.view(bsz, -1).t().contiguous()
     return data.to(device)
 
-
 eval_batch_size = 10
-train_data = batchify(
-    corpus.train.narrow(0, 0, len(corpus.train) // s.world_size * s.world_size).view(s.world_size, -1)[s.rank],
-    args.batch_size,
-)
+train_data = batchify(corpus.train.narrow(0, 0, len(corpus.train) // s.world_size * s.world_size).view(s.world_size, -1)[s.rank], args.batch_size)
 val_data = batchify(corpus.valid, eval_batch_size)
 test_data = batchify(corpus.test, eval_batch_size)
 
@@ -97,7 +107,7 @@ test_data = batchify(corpus.test, eval_batch_size)
 ###############################################################################
 
 ntokens = len(corpus.dictionary)
-if args.model == "Transformer":
+if args.model == 'Transformer':
     model = TransformerModel(ntokens, args.emsize, args.nhead, args.nhid, args.nlayers, args.dropout).to(device)
 else:
     model = RNNModel(args.model, ntokens, args.emsize, args.nhid, args.nlayers, args.dropout, args.tied).to(device)
@@ -110,7 +120,6 @@ if args.use_optimizer:
 ###############################################################################
 # Training code
 ###############################################################################
-
 
 def repackage_hidden(h):
     """Wraps hidden states in new Tensors, to detach them from their history."""
@@ -131,25 +140,24 @@ def repackage_hidden(h):
 # by the batchify function. The chunks are along dimension 0, corresponding
 # to the seq_len dimension in the LSTM.
 
-
 def get_batch(source, i):
     seq_len = min(args.bptt, len(source) - 1 - i)
-    data = source[i : i + seq_len]
-    target = source[i + 1 : i + 1 + seq_len].view(-1)
+    data = source[i:i+seq_len]
+    target = source[i+1:i+1+seq_len].view(-1)
     return data, target
 
 
 def evaluate(data_source):
     # Turn on evaluation mode which disables dropout.
     model.eval()
-    total_loss = 0.0
+    total_loss = 0.
     ntokens = len(corpus.dictionary)
-    if args.model != "Transformer":
+    if args.model != 'Transformer':
         hidden = model.init_hidden(eval_batch_size)
     with torch.no_grad():
         for i in range(0, data_source.size(0) - 1, args.bptt):
             data, targets = get_batch(data_source, i)
-            if args.model == "Transformer":
+            if args.model == 'Transformer':
                 output = model(data)
                 output = output.view(-1, ntokens)
             else:
@@ -162,14 +170,12 @@ def evaluate(data_source):
 def train():
     # Turn on training mode which enables dropout.
     model.train()
-    total_loss = 0.0
+    total_loss = 0.
     start_time = time.time()
     ntokens = len(corpus.dictionary)
-    if args.model != "Transformer":
+    if args.model != 'Transformer':
         hidden = carry.take(model.init_hidden(args.batch_size))
-    for batch, i in enumerate(
-        s.batches(range(0, train_data.size(0) - 1, args.bptt), 1, lambda x: x[0], shuffle=False, shard=False)
-    ):
+    for batch, i in enumerate(s.batches(range(0, train_data.size(0) - 1, args.bptt), 1, lambda x: x[0], shuffle=False, shard=False)):
         data, targets = get_batch(train_data, i)
         # Starting each batch, we detach the hidden state from how it was previously produced.
         # If we didn't, the model would try backpropagating all the way to start of the dataset.
@@ -177,7 +183,7 @@ def train():
             optimizer.zero_grad()
         else:
             model.zero_grad()
-        if args.model == "Transformer":
+        if args.model == 'Transformer':
             output = model(data)
             output = output.view(-1, ntokens)
         else:
@@ -201,10 +207,10 @@ def train():
         if batch % args.log_interval == 0 and batch > 0:
             cur_loss = total_loss / args.log_interval
             elapsed = time.time() - start_time
-            print(
-                f"| epoch {epoch:3d} | {batch:5d}/{len(train_data) // args.bptt:5d} batches | lr {lr:02.2f} | ms/batch {elapsed * 1000 / args.log_interval:5.2f} | "
-                f"loss {cur_loss:5.2f} | ppl {math.exp(cur_loss):8.2f}"
-            )
+            print('| epoch {:3d} | {:5d}/{:5d} batches | lr {:02.2f} | ms/batch {:5.2f} | '
+                    'loss {:5.2f} | ppl {:8.2f}'.format(
+                epoch, batch, len(train_data) // args.bptt, lr,
+                elapsed * 1000 / args.log_interval, cur_loss, math.exp(cur_loss)))
             total_loss = 0
             start_time = time.time()
         if args.dry_run:
@@ -212,7 +218,7 @@ def train():
 
 
 def export_onnx(path, batch_size, seq_len):
-    print(f"The model is also exported in ONNX format at {os.path.realpath(args.onnx_export)}.")
+    print('The model is also exported in ONNX format at {}.'.format(os.path.realpath(args.onnx_export)))
     model.eval()
     dummy_input = torch.LongTensor(seq_len * batch_size).zero_().view(-1, batch_size).to(device)
     hidden = model.init_hidden(batch_size)
@@ -222,11 +228,7 @@ def export_onnx(path, batch_size, seq_len):
 # Loop over epochs.
 lr = args.lr
 best_val_loss = None
-s.keep(
-    model=model,
-    loop=service.Variables(globals(), "lr", "best_val_loss"),
-    **({"optimizer": optimizer} if args.use_optimizer else {}),
-)
+s.keep(model=model, loop=service.Variables(globals(), 'lr', 'best_val_loss'), **({'optimizer': optimizer} if args.use_optimizer else {}))
 s.keep_rank(hidden=(carry := service.Carry()))
 
 # At any point you can hit Ctrl + C to break out of training early.
@@ -235,27 +237,26 @@ try:
         epoch_start_time = time.time()
         train()
         val_loss = evaluate(val_data)
-        print("-" * 89)
-        print(
-            f"| end of epoch {epoch:3d} | time: {time.time() - epoch_start_time:5.2f}s | valid loss {val_loss:5.2f} | "
-            f"valid ppl {math.exp(val_loss):8.2f}"
-        )
-        print("-" * 89)
+        print('-' * 89)
+        print('| end of epoch {:3d} | time: {:5.2f}s | valid loss {:5.2f} | '
+                'valid ppl {:8.2f}'.format(epoch, (time.time() - epoch_start_time),
+                                           val_loss, math.exp(val_loss)))
+        print('-' * 89)
         # Save the model if the validation loss is the best we've seen so far.
         if not best_val_loss or val_loss < best_val_loss:
-            with open(f"{args.save}.{s.rank}", "wb") as f:
+            with open(f'{args.save}.{s.rank}', 'wb') as f:
                 torch.save(model, f)
             best_val_loss = val_loss
         else:
             # Anneal the learning rate if no improvement has been seen in the validation dataset.
             lr /= 4.0
 except KeyboardInterrupt:
-    print("-" * 89)
-    print("Exiting from training early")
+    print('-' * 89)
+    print('Exiting from training early')
 
 # Load the best saved model.
-with open(f"{args.save}.{s.rank}", "rb") as f:
-    if args.model == "Transformer":
+with open(f'{args.save}.{s.rank}', 'rb') as f:
+    if args.model == 'Transformer':
         safe_globals = [
             PositionalEncoding,
             TransformerModel,
@@ -285,14 +286,15 @@ with open(f"{args.save}.{s.rank}", "rb") as f:
     # after load the rnn params are not a continuous chunk of memory
     # this makes them a continuous chunk, and will speed up forward pass
     # Currently, only rnn model supports flatten_parameters function.
-    if args.model in ["RNN_TANH", "RNN_RELU", "LSTM", "GRU"]:
+    if args.model in ['RNN_TANH', 'RNN_RELU', 'LSTM', 'GRU']:
         model.rnn.flatten_parameters()
 
 # Run on test data.
 test_loss = evaluate(test_data)
-print("=" * 89)
-print(f"| End of training | test loss {test_loss:5.2f} | test ppl {math.exp(test_loss):8.2f}")
-print("=" * 89)
+print('=' * 89)
+print('| End of training | test loss {:5.2f} | test ppl {:8.2f}'.format(
+    test_loss, math.exp(test_loss)))
+print('=' * 89)
 
 if len(args.onnx_export) > 0:
     # Export the model in ONNX format.
