@@ -266,7 +266,7 @@ for epoch in s.epochs():
         errG.backward()
         D_G_z2 = output.mean().item()
         optimizerG.step()
-        s.log(Loss_D=errD, Loss_G=errG, D_x=D_x, D_G_z1=D_G_z1, D_G_z2=D_G_z2)
+        s.log(loss_D=errD, loss_G=errG, D_x=D_x, D_G_z1=D_G_z1, D_G_z2=D_G_z2)
 
         print('[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f'
               % (epoch, opt.niter, i, len(dataloader),

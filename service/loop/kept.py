@@ -115,9 +115,12 @@ class Kept:
         obj.load_state_dict(self.resumed.get(name))
 
     def _mismatch(self, call: str, name: str, saved: list[str], which: str) -> str:
+        kept = self.per_rank if which == "keep_rank" else self.shared
+        missing = [other for other in saved if other not in kept]
         return (f"{call}({name}=...): the checkpoint this run resumes from ({self.source}) holds no {name!r}: it "
-                f"kept {', '.join(saved) or 'nothing'} with {which}. Unexpected: {name}. Keep the same names as the "
-                "run it resumes, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
+                f"kept {', '.join(saved) or 'nothing'} with {which}. Unexpected: {name}. Missing so far: "
+                f"{', '.join(missing) or 'none'}. Keep the same names as the run it resumes, or start afresh with "
+                "--set checkpoint.resume=never.")  # fmt: skip
 
     def _rank_states(self, resumed: Mapping[str, Any] | None, saved_size: Any) -> dict[str, Any] | None:
         """This rank's own saved states: at the same world size only (None: another size, or none saved)."""

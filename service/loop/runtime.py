@@ -145,13 +145,13 @@ class Runtime:
         its first forward, the watchdog's marks)."""
         if not isinstance(module, nn.Module):
             raise WrapError(f"{call}(...) got a {type(module).__name__}, not a torch.nn.Module; pass your model.")
-        if isinstance(module, (ServiceDDP, DataParallel)) or isinstance(module, nn.parallel.DistributedDataParallel):
+        if any(module is model or module is unwrap(model) for model in self.models):
+            raise WrapError(f"{call}(...) got a model it wrapped already (or the wrapper it returned); wrap each "
+                            "model once and use the wrapper that first call returned.")  # fmt: skip
+        if isinstance(module, (DataParallel, nn.parallel.DistributedDataParallel)):
             raise WrapError(f"{call}(...) got a module already wrapped in {type(module).__name__}; pass the plain "
                             f"module ({call} moves it to the device, converts its BatchNorm and wraps it itself), "
                             "e.g. the .module of your wrapper.")  # fmt: skip
-        if any(module is unwrap(model) for model in self.models):
-            raise WrapError(f"{call}(...) got a module it wrapped already; wrap each model once and keep the "
-                            "wrapper it returned.")  # fmt: skip
         if self.feed is not None:
             raise WrapError(
                 f"{call}(...) came after training started (the first s.batches); wrap every model "

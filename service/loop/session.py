@@ -197,6 +197,9 @@ class Session:
 
                 finish_in_flight(rt)  # a break after a step's body: that step counts
                 rt.finish(rt.stopped or "completed")
+            if rt.summary is not None:  # every rank's own (logging.all_ranks shows them all): replicas agree
+                log.info("done: %s at step %d, model digest %s, %s samples/s", rt.summary["status"],
+                         rt.summary["global_step"], rt.summary["model_digest"], rt.summary["samples_per_second"])
         finally:
             if self._stack is not None:
                 self._stack.close()

@@ -1,0 +1,114 @@
+"""Each misuse of the session API in a session of its own (a world of one, one process): what it raised, as JSON
+``{case: [error type, message] or null}``. Usage: ``session_errors.py OUT DIR``."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+import service
+
+out, base = sys.argv[1], Path(sys.argv[2])
+DATA = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+QUICK = ["train.progress_bar=false", "metrics.tensorboard=false", "train.log_every=2", "metrics.goodput=false"]
+
+
+class Endless(IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.zeros(4)
+
+
+def session(name: str, *extra: str) -> service.Session:
+    return service.Session(overrides=[f"run_dir={base / name}", *QUICK, *extra])
+
+
+def batches_before_keep(s):
+    net = s.model(nn.Linear(4, 1))
+    for _ in s.batches(DATA, 8):
+        net.zero_grad()
+
+
+def keep_after_training_started(s):
+    net = s.model(nn.Linear(4, 1))
+    s.keep(net=net)
+    for _ in s.batches(DATA, 8):
+        s.keep(opt=torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def keep_without_state_dict(s):
+    s.keep(net=s.model(nn.Linear(4, 1)), lr=0.1)
+
+
+def model_of_a_wrapped_module(s):
+    net = s.model(nn.Linear(4, 1))
+    s.model(net)
+
+
+def log_of_a_vector(s):
+    net = s.model(nn.Linear(4, 1))
+    s.keep(net=net)
+    for x, _ in s.batches(DATA, 8):
+        s.log(outputs=net(x))
+
+
+def stream_without_max_steps(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for _ in s.batches(Endless(), 8):
+        pass
+
+
+def keep_a_reserved_name(s):
+    s.keep(loop=s.model(nn.Linear(4, 1)))
+
+
+def train_two_kept(s):
+    g, d = s.model(nn.Linear(4, 1)), s.model(nn.Linear(4, 1))
+    s.keep(netG=g, netD=d)
+    for _ in s.batches(DATA, 8):
+        pass
+
+
+def resume_unexpected_name(s):
+    g = s.model(nn.Linear(4, 1))
+    s.keep(netG=g, optG=torch.optim.SGD(g.parameters(), lr=0.1))
+
+
+def resume_missing_name(s):
+    g = s.model(nn.Linear(4, 1))
+    s.keep(netG=g)
+    for _ in s.batches(DATA, 8):
+        pass
+
+
+CASES = {
+    "batches_before_keep": (batches_before_keep, ()),
+    "keep_after_training_started": (keep_after_training_started, ()),
+    "keep_without_state_dict": (keep_without_state_dict, ()),
+    "model_of_a_wrapped_module": (model_of_a_wrapped_module, ()),
+    "log_of_a_vector": (log_of_a_vector, ()),
+    "stream_without_max_steps": (stream_without_max_steps, ("train.max_steps=null",)),
+    "keep_a_reserved_name": (keep_a_reserved_name, ()),
+    "grad_clip_set": (lambda s: None, ("train.grad_clip=1.0",)),
+}
+results = {}
+for name, (body, extra) in CASES.items():
+    try:
+        with session(name, "train.max_steps=2", *extra) as s:
+            body(s)
+        results[name] = None
+    except (Exception, SystemExit) as exc:
+        results[name] = [type(exc).__name__, str(exc)]
+with session("kept", "train.max_steps=2") as s:  # then resumes that keep other names
+    train_two_kept(s)
+for name, body in (("resume_unexpected_name", resume_unexpected_name), ("resume_missing_name", resume_missing_name)):
+    try:
+        with session("kept", "train.max_steps=4") as s:
+            body(s)
+        results[name] = None
+    except Exception as exc:
+        results[name] = [type(exc).__name__, str(exc)]
+Path(out).write_text(json.dumps(results))

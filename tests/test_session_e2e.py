@@ -1,0 +1,217 @@
+"""Issue 25 under real torchrun: scripts that keep their own loop (``service.Session``), each interrupted by a
+SIGTERM to one worker mid-epoch and rerun, ends with an uninterrupted run's digest.
+
+- DCGAN (pytorch/examples, 9 lines changed): two models, two Adam optimizers, alternating updates in one step;
+- the word language model's truncated BPTT (14 lines changed): each rank its own share of the corpus, in order,
+  with its hidden state carried from step to step (``keep_rank``) and its hand-annealed learning rate kept;
+- nanoGPT on a Hugging Face ``datasets`` stream of local JSON-lines files, read by two loader workers a rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import QUICK, REPO, child_env, kill_group, read_summary
+from procs import worker_pids
+from test_resume_e2e import LineWatcher, finish
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = REPO / "examples"
+
+
+def paths(*extra: Path) -> str:
+    """The service, the examples and the tests' tasks; torchvision's stand-in where torchvision does not import."""
+    found = [REPO, EXAMPLES, *extra, REPO / "tests" / "tasks"]
+    if importlib.util.find_spec("torchvision") is None:
+        found.append(EXAMPLES / "stand_ins")
+    return os.pathsep.join(str(path) for path in found)
+
+
+def script_cmd(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--max-restarts=0", str(script)]  # fmt: skip
+    for override in (*QUICK, f"run_dir={run_dir}", *sets):
+        cmd += ["--set", override]
+    return [*cmd, *args]
+
+
+def run_script(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
+               expect: int = 0) -> str:  # fmt: skip
+    done = subprocess.run(script_cmd(script, nproc, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
+                          env=child_env(PYTHONPATH=pythonpath), timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == expect, f"exit {done.returncode}:\n{output[-6000:]}"
+    return output
+
+
+def watch_with(cmd: list[str], pythonpath: str) -> tuple[subprocess.Popen, LineWatcher]:
+    env = child_env(PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    return proc, LineWatcher(proc)
+
+
+def preempt_and_rerun(script: Path, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
+                      at: int) -> tuple[dict, dict, str]:  # fmt: skip
+    """Start, SIGTERM rank 1 once rank 0 logged step ``at``, then run the same command again to the end."""
+    proc, watcher = watch_with(script_cmd(script, 2, run_dir, sets, args), pythonpath)
+    try:
+        watcher.wait_for(rf"\[rank 0\] INFO step {at}/", timeout=180)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
+        assert finish(proc, watcher, timeout=120) != 0, watcher.text()[-4000:]  # torchrun: a worker exited 75
+    finally:
+        kill_group(proc)
+    first = read_summary(run_dir)
+    assert first["status"] == "preempted" and first["stopped_at_step"] >= at, watcher.text()[-4000:]
+    assert re.search(r"\[rank [01]\] WARNING SIGTERM received", watcher.text())
+    output = run_script(script, 2, run_dir, sets, args, pythonpath)
+    return first, read_summary(run_dir), watcher.text() + output
+
+
+def replica_digests(output: str) -> dict[int, str]:
+    """Each rank's kept-module digest from its last "done:" line (logging.all_ranks)."""
+    return {int(rank): digest for rank, digest in re.findall(r"\[rank (\d)\] INFO done: \w+ at step \d+, model digest "
+                                                             r"([0-9a-f]{64})", output)}  # fmt: skip
+
+
+def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_path: Path) -> None:
+    """Upstream's two networks and two Adam optimizers, alternating updates: SIGTERM to one worker at step 5 of a
+    62-step epoch, a rerun, and the digest of an uninterrupted run. loss_D and loss_G are in rank 0's log line and in
+    TensorBoard; the replicas of netD (and netG) are equal on every rank at the end."""
+    pythonpath = paths()
+    args = ("--dataset", "fake", "--imageSize", "64", "--ngf", "8", "--ndf", "8", "--nz", "16", "--batchSize", "8",
+            "--workers", "0", "--manualSeed", "1", "--outf", str(tmp_path / "out"))  # fmt: skip
+    sets = ("train.max_steps=10", "train.epochs=1", "train.log_every=1", "metrics.tensorboard=true",
+            "logging.all_ranks=true")  # fmt: skip
+    (tmp_path / "out").mkdir()
+    script = EXAMPLES / "dcgan.py"
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    straight = read_summary(tmp_path / "straight")
+    assert straight["status"] == "completed" and straight["global_step"] == 10, output[-3000:]
+    assert re.search(r"\[rank 0\] INFO step 4/10 epoch 0 loss_D [\d.]+ loss_G [\d.]+ D_x [\d.]+ ", output), output[
+        -3000:
+    ]
+    digests = replica_digests(output)
+    assert sorted(digests) == [0, 1] and digests[0] == digests[1] == straight["model_digest"], (digests, output[-2000:])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "straight" / "tensorboard" / "rank0"))
+    events.Reload()
+    assert {"train/loss_D", "train/loss_G", "train/D_x"} <= set(events.Tags()["scalars"])
+    assert [event.step for event in events.Scalars("train/loss_D")] == list(range(1, 11))
+
+    first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=5)
+    assert first["stopped_at_step"] < 62  # mid-epoch
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == first["stopped_at_step"]
+    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+
+
+def corpus(directory: Path, words: int) -> Path:
+    """train/valid/test.txt of a small vocabulary, line by line, as word_language_model's data.Corpus reads them."""
+    import random
+
+    directory.mkdir()
+    rng = random.Random(25)
+    vocabulary = [f"w{index}" for index in range(40)]
+    for name, count in (("train", words), ("valid", words // 4), ("test", words // 4)):
+        lines = [" ".join(rng.choice(vocabulary) for _ in range(10)) for _ in range(count // 10)]
+        (directory / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_tbptt_word_lm_keeps_each_ranks_order_and_hidden_state_through_a_resume(tmp_path: Path) -> None:
+    """shard=False, shuffle=False: each rank walks its own batchified share of the corpus in order 0, 1, 2, ...,
+    with its LSTM's hidden state carried from step to step (keep_rank) and dropout on. SIGTERM mid-epoch of the
+    second epoch (after the first epoch's evaluation annealed nothing or the learning rate: it is kept too), a rerun,
+    and the uninterrupted digest; the trace shows every chunk once per epoch, in order."""
+    pythonpath = paths(EXAMPLES / "word_language_model")
+    data = corpus(tmp_path / "corpus", 1800)
+    args = ("--data", str(data), "--emsize", "16", "--nhid", "16", "--nlayers", "1", "--batch_size", "4", "--bptt",
+            "8", "--dropout", "0.2", "--log-interval", "1000", "--save", str(tmp_path / "model.pt"))  # fmt: skip
+    sets = ("train.epochs=2", "train.log_every=1", "data.trace=true")
+    script = EXAMPLES / "word_lm_tbptt.py"
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    straight = read_summary(tmp_path / "straight")
+    assert straight["status"] == "completed" and straight["epochs_completed"] == 2, output[-3000:]
+    assert "End of training" in output  # upstream's own end: the best model saved, loaded back and tested
+    steps_per_epoch = straight["global_step"] // 2
+
+    first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=steps_per_epoch + 3)
+    assert resumed["resumed_from"]["step"] == first["stopped_at_step"] > steps_per_epoch
+    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+    for rank in (0, 1):
+        lines = [json.loads(line) for line in (tmp_path / "run" / "trace" / f"world2-rank{rank}.jsonl").read_text()
+                 .splitlines()]  # fmt: skip
+        for epoch in (0, 1):
+            chunks = [index for line in lines if line["epoch"] == epoch for index in line["indices"]]
+            assert chunks == list(range(steps_per_epoch)), (rank, epoch, chunks)
+
+
+def stream_files(directory: Path) -> Path:
+    directory.mkdir()
+    for part in range(4):
+        lines = [json.dumps({"text": f"part {part} line {line}: the quick brown fox jumps over the lazy dog"})
+                 for line in range(40)]  # fmt: skip
+        (directory / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_world_size(tmp_path: Path) -> None:
+    """nanoGPT on a Hugging Face datasets stream (streaming=True, local JSON lines), 2 processes x 2 loader workers:
+    SIGTERM at step 5, a rerun, the uninterrupted digest. The stream's position belongs to the world that saved it:
+    a resume at 1 process is refused, naming the fix."""
+    pythonpath = paths()
+    data = stream_files(tmp_path / "data")
+    args = ("--data", str(data), "--block_size", "16", "--batch_size", "4")
+    sets = ("train.max_steps=12", "train.log_every=1", "data.num_workers=2")
+    script = EXAMPLES / "stream_gpt.py"
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    straight = read_summary(tmp_path / "straight")
+    assert straight["status"] == "completed" and straight["global_step"] == 12, output[-3000:]
+
+    first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=5)
+    assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
+    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+
+    refused = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.num_workers=2"), args, pythonpath,
+                         expect=1)  # fmt: skip
+    assert "position was saved at world size 2; this start has 1 ranks" in refused, refused[-3000:]
+    assert "data.stream_resume=restart" in refused
+
+
+def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> None:
+    """Each misuse in a session of its own (one process, a world of one): the error names the call and the fix."""
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "session_errors.py"), str(out),
+                           str(tmp_path)], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    found = json.loads(out.read_text())
+    expected = {
+        "batches_before_keep": (
+            "WrapError",
+            r"s\.batches\(\.\.\.\) came before any s\.keep\(\.\.\.\).*Keep them first",
+        ),
+        "keep_after_training_started": ("KeepError", r"s\.keep\(opt\) came after s\.batches.*Move the s\.keep"),
+        "keep_without_state_dict": ("KeepError", r"s\.keep\(lr=\.\.\.\) got a float, which has no state_dict"),
+        "model_of_a_wrapped_module": ("WrapError", r"s\.model\(\.\.\.\) got a model it wrapped already"),
+        "log_of_a_vector": ("LogError", r"s\.log\(outputs=\.\.\.\) got a tensor of shape \(8, 1\).*\.mean\(\)"),
+        "stream_without_max_steps": ("FeedError", r"a stream .* with no length.*Set train\.max_steps"),
+        "keep_a_reserved_name": ("KeepError", r"'loop' is the name of one of the checkpoint's own entries"),
+        "grad_clip_set": ("SystemExit", "2"),
+        "resume_unexpected_name": ("KeepError", r"holds no 'optG'.*Unexpected: optG\. Missing so far: netD\."),
+        "resume_missing_name": ("KeepError", r"holds netD, which this run never kept.*Missing: netD\."),
+    }
+    for case, (kind, pattern) in expected.items():
+        assert found[case] is not None and found[case][0] == kind, (case, found[case])
+        assert re.search(pattern, found[case][1]), (case, found[case][1])
+    assert "train.grad_clip=1.0: the script steps its own optimizer" in done.stderr
