@@ -13,12 +13,15 @@ Run it with this folder on PYTHONPATH:
 
     PYTHONPATH=examples torchrun --standalone --nproc_per_node=2 -m service train examples/word_lm.yaml
 
-What the original's ``main.py`` did and the service now does: the device,
-``batchify``'s split of the data over the batch (here: over ranks too),
-``train()``'s loop with ``clip_grad_norm_`` and its own SGD update,
-``evaluate()``'s totals (over the whole eval set across ranks), the annealing
-of the learning rate on the validation loss (``ReduceLROnPlateau``, stepped
-after each evaluation) and the best-model save.
+This is a port of the model, not of the training: the original trains one
+token stream with truncated BPTT (``batchify``, ``get_batch`` in order, the
+hidden state carried from one slice to the next), and this task trains padded
+sentences with a zero hidden state each batch. ``examples/word_lm_tbptt.py`` is
+the faithful port, the original's ``main.py`` on the session API. What the
+service does here: the device, ``train()``'s loop with ``clip_grad_norm_`` and
+its own SGD update, ``evaluate()``'s totals (over the whole eval set across
+ranks), the annealing of the learning rate on the validation loss
+(``ReduceLROnPlateau``, stepped after each evaluation) and the best-model save.
 """
 
 from __future__ import annotations
