@@ -1,4 +1,5 @@
-"""The service's training loop against a bare, hand-written DDP loop in the seed's style.
+"""The service's training loops (the task loop, and a script's own loop on ``service.Session``) against a bare,
+hand-written DDP loop in the seed's style.
 
 Same model (the shapes UNet), data, batch, SGD (lr 0.05, momentum 0.9) and
 gloo processes (``--world``, 2 by default); the two alternate within one
@@ -25,6 +26,9 @@ per-call costs measured in isolation.
 
     python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8] [--world 2] [--grad-clip 1.0]
                              [--task builtin|step_fn]
+
+The session mode runs the bare loop's step in a script on ``service.Session``:
+the same boundary as the task loop, the same step as the bare loop.
 
 ``--task step_fn`` runs the service on the same task given as a ``step_fn``
 (``Task.step_fn`` instead of ``loss_fn``), the path real training code takes.
@@ -61,7 +65,12 @@ def shapes_own_step(spec):  # noqa: ANN001, ANN201 - a task function: TaskSpec -
 
 def worker(mode: str, epochs: int, batch: int, out: Path, task: str, clip: float | None) -> None:
     """Runs under torchrun; writes this rank's (wall, CPU) seconds per step for each epoch."""
-    times = bare(epochs, batch, clip) if mode == "bare" else service(epochs, batch, task, clip)
+    if mode == "bare":
+        times = bare(epochs, batch, clip)
+    elif mode == "session":
+        times = session(epochs, batch, clip)
+    else:
+        times = service(epochs, batch, task, clip)
     if int(os.environ["RANK"]) == 0:
         out.write_text(json.dumps(times))
 
@@ -104,44 +113,79 @@ def bare(epochs: int, batch: int, clip: float | None) -> list[tuple[float, float
     return times
 
 
-def service(epochs: int, batch: int, task: str, clip: float | None) -> list[tuple[float, float]]:
-    """The service's own loop (``train_epoch``), built exactly as ``ddp-service train`` builds it."""
-    from service.config import load_config
-    from service.loop.train import build_job
-    from service.world.distributed import distributed
-    from service.world.env import detect_world
-
-    overrides = [
+def _overrides(epochs: int, batch: int, run_dir: str) -> list[str]:
+    return [
         f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
         "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=1000000",
         "metrics.tensorboard=false", "metrics.port=0", "checkpoint.every_steps=0", "checkpoint.resume=never",
-        f"train.grad_clip={'null' if clip is None else clip}",
-        *(["task=overhead:shapes_own_step"] if task == "step_fn" else []),
+        f"run_dir={run_dir}",
     ]  # fmt: skip
-    world = detect_world(os.environ)
+
+
+def service(epochs: int, batch: int, task: str, clip: float | None) -> list[tuple[float, float]]:
+    """The service's task loop, built exactly as ``ddp-service train`` builds it (a Runtime, the task's job)."""
+    from service.config import load_config
+    from service.loop.runtime import Runtime
+    from service.loop.train import build_job
+    from service.state.preemption import Preemption
+    from service.world.env import detect_world
+
+    extra = [f"train.grad_clip={'null' if clip is None else clip}",
+             *(["task=overhead:shapes_own_step"] if task == "step_fn" else [])]  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(None, [*overrides, f"run_dir={run_dir}"])
-        with distributed(world, config.dist.backend, config.dist.timeout_seconds) as ctx:
-            return _time_service_epochs(build_job(config, world, ctx), epochs)
+        config = load_config(None, [*_overrides(epochs, batch, run_dir), *extra])
+        with Runtime.opened(config, detect_world(os.environ), Preemption()) as runtime:
+            return _time_task_epochs(build_job(runtime), epochs)
 
 
-def _time_service_epochs(job, epochs: int) -> list[tuple[float, float]]:  # noqa: ANN001 - a service.loop.train.Job
-    """Seconds per step of each epoch; the job dies with this frame, before its process group."""
+def _time_task_epochs(job, epochs: int) -> list[tuple[float, float]]:  # noqa: ANN001 - a service.loop.train.TaskJob
+    """Seconds per step of each epoch's steps (the task loop's step, the shared boundary; no evaluation)."""
     import torch.distributed as dist
 
-    from service.loop.job import LoopState
-    from service.loop.train import _Window, train_epoch
+    from service.loop.stepping import Hooks, steps
+    from service.loop.train import optimizer_step
 
-    state, window, times = LoopState(), _Window(job.device, job.world_sum), []
-    job.watchdog.start()  # as train() does
-    for epoch in range(epochs):
-        state.epoch, state.cursor = epoch, 0
+    runtime, times = job.runtime, []
+    hooks = Hooks(stepped=job.nonfinite.check, epoch_start=job.model.train)
+    for _ in range(epochs):
         dist.barrier()
-        start, cpu, steps = time.perf_counter(), time.process_time(), job.plan.steps_in_epoch(0)
-        train_epoch(job, state, window, [])
-        times.append(((time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps))
-    job.watchdog.stop()
-    job.roles.close()
+        start, cpu, count = time.perf_counter(), time.process_time(), 0
+        for fed in steps(runtime, job.feed, hooks, one_epoch=True):
+            runtime.log({"loss": optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)})
+            count += 1
+        times.append(((time.perf_counter() - start) / count, (time.process_time() - cpu) / count))
+    return times
+
+
+def session(epochs: int, batch: int, clip: float | None) -> list[tuple[float, float]]:
+    """The seed's loop written on ``service.Session``: the same step as the bare loop, the service around it."""
+    import torch
+    import torch.distributed as dist
+
+    import service
+    from service.tasks.shapes import UNet, make_shapes
+
+    times = []
+    with tempfile.TemporaryDirectory() as run_dir, service.Session(overrides=_overrides(epochs, batch, run_dir)) as s:
+        torch.manual_seed(0)
+        dataset = make_shapes(TRAIN_SIZE, 32, seed=0)
+        model = s.model(UNet())
+        criterion = torch.nn.CrossEntropyLoss()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        s.keep(model=model, optimizer=optimizer)
+        for _ in s.epochs():
+            dist.barrier()
+            start, cpu, count = time.perf_counter(), time.process_time(), 0
+            for images, masks in s.batches(dataset, batch):
+                optimizer.zero_grad()
+                loss = criterion(model(images), masks)
+                loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                s.log(loss=loss.detach())
+                count += 1
+            times.append(((time.perf_counter() - start) / count, (time.process_time() - cpu) / count))
     return times
 
 
@@ -171,19 +215,20 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="processes (gloo ranks)")
     parser.add_argument("--task", choices=["builtin", "step_fn"], default="builtin")
     parser.add_argument("--grad-clip", type=clip_value, default=1.0, help="both loops; none: neither clips")
-    parser.add_argument("--worker", choices=["bare", "service"])
+    parser.add_argument("--worker", choices=["bare", "service", "session"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.epochs, args.batch, args.out, args.task, args.grad_clip)
         return
-    samples: dict[str, list[list[float]]] = {"bare": [], "service": []}
+    samples: dict[str, list[list[float]]] = {"bare": [], "service": [], "session": []}
 
     def ms(mode: str, clock: int) -> float:
         return statistics.median(epoch[clock] for epoch in samples[mode]) * 1e3
 
     for round_ in range(args.rounds):
-        order = ("bare", "service") if round_ % 2 == 0 else ("service", "bare")
+        modes = ("bare", "service", "session")
+        order = modes[round_ % 3 :] + modes[: round_ % 3]  # each mode first in turn
         for mode in order:
             samples[mode] += run(mode, args)
         print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
@@ -194,6 +239,14 @@ def main() -> None:
     print(
         f"\nthroughput ratio service/bare ({args.task} task, world {args.world}, grad_clip {args.grad_clip}): "
         f"{ms('bare', 0) / ms('service', 0):.3f} wall, {ms('bare', 1) / ms('service', 1):.3f} CPU (target >= 0.99)"
+    )
+    print(
+        f"throughput ratio session/bare (the same step in a script's own loop): "
+        f"{ms('bare', 0) / ms('session', 0):.3f} wall, {ms('bare', 1) / ms('session', 1):.3f} CPU (target >= 0.99)"
+    )
+    print(
+        f"throughput ratio session/task loop: {ms('service', 0) / ms('session', 0):.3f} wall, "
+        f"{ms('service', 1) / ms('session', 1):.3f} CPU (target: within 1%)"
     )
 
 
