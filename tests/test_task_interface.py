@@ -214,3 +214,18 @@ def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_o
     assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(3e-3 * 0.5 ** (steps // 2))
     assert final["eval_metric"]["name"] == "token_accuracy"
     assert set(final["eval_metrics"]) == {"loss", "token_accuracy"}
+
+
+@pytest.mark.e2e
+def test_a_tasks_state_is_kept_and_its_step_fn_logs_more_than_the_loss(tmp_path):
+    """#25.3: ``Task.state`` is saved and restored like the model (a counter its step advances goes on from the
+    resumed step), and ``step_fn`` may return ``(loss, {name: number})``: each number's world mean is logged."""
+    run_dir = tmp_path / "run"
+    job = ("task=own_step_tasks:lm_with_state", "train.log_every=1", "train.batch_size=4", "train.epochs=5")
+    run_job(run_dir, 1, *job, "train.max_steps=3")
+    done = run_job(run_dir, 1, *job, "train.max_steps=6")
+    summary = read_summary(run_dir)
+    assert summary["resumed_from"]["step"] == 3 and summary["global_step"] == 6
+    assert summary["logged"]["counted"] == 6.0  # 3 before the resume, restored, then 3 more
+    assert re.search(r"INFO step 6/6 epoch \d+ loss [\d.]+ counted 6 twice [\d.]+ lr", done.stdout), done.stdout[-2000:]
+    assert summary["logged"]["twice"] == pytest.approx(2 * summary["logged"]["loss"])

@@ -227,3 +227,31 @@ class SharedBuffer(nn.Module):
 
 def shared_buffer(spec: TaskSpec) -> Task:
     return Task(SharedBuffer(), Pairs(), Pairs(), loss_fn=F.cross_entropy)
+
+
+class StepCounter:
+    """State a task keeps beside its model (``Task.state``): the steps its ``step_fn`` has run, kept and restored."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state["steps"])
+
+
+def lm_with_state(spec: TaskSpec) -> Task:
+    """``dict_lm`` with a ``Task.state`` counter its ``step_fn`` advances, and ``step_fn`` returning
+    ``(loss, {name: number})``: the counter and the loss doubled are logged beside the loss."""
+    counter = StepCounter()
+
+    def step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, object]]:
+        counter.steps += 1
+        loss = model(batch["idx"], batch["targets"])[1]
+        return loss, {"counted": float(counter.steps), "twice": loss.detach() * 2}
+
+    task = dict_lm(spec)
+    return Task(model=task.model, train_set=task.train_set, eval_set=task.eval_set, step_fn=step,
+                eval_fn=_lm_eval, optimizer_fn=task.optimizer_fn, state={"counter": counter})  # fmt: skip

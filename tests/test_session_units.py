@@ -1,0 +1,152 @@
+"""Issue 25's pure parts: what is kept and how it comes back, the faithful defaults, the session's command line and
+the feeds' plans; no process group, no torchrun (tests/test_session_e2e.py runs the real programs)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from service.config import ConfigError, load_config
+from service.loop.feeds import map_plan
+from service.loop.kept import Carry, KeepError, Kept, Variables
+from service.loop.optim import clip_setting, describe_defaults, schedule_setting
+from service.loop.sampler import epoch_order
+from service.loop.session import refuse_unused, split_argv
+from service.tasks.base import Task
+
+DATA = [(torch.zeros(2), torch.zeros(1))] * 4
+
+
+def saved(kept: Kept) -> dict:
+    """What a checkpoint holds of ``kept`` (the shared states, and this rank's own as the gather gives them)."""
+    return {**kept.states(), "world_size": kept.world_size, "rank_kept": {str(kept.rank): {
+        name: obj.state_dict() for name, obj in kept.per_rank.items()}}}  # fmt: skip
+
+
+def test_kept_objects_come_back_in_the_call_that_keeps_them_and_per_rank_ones_only_at_the_same_world_size(caplog):
+    torch.manual_seed(0)
+    net, carry = nn.Linear(2, 2), Carry(torch.tensor([3.0]))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    before = Kept(None, 1, 2)
+    before.keep({"net": net, "opt": optimizer}, False, "s.keep")
+    before.keep({"hidden": carry}, True, "s.keep_rank")
+    state = saved(before)
+
+    fresh, fresh_carry = nn.Linear(2, 2), Carry()
+    again = Kept(state, 1, 2, "step-4.pt")
+    again.keep({"net": fresh}, False, "s.keep")
+    assert torch.equal(fresh.weight, net.weight)  # loaded in the call itself
+    again.keep({"hidden": fresh_carry}, True, "s.keep_rank")
+    assert fresh_carry.take() == torch.tensor([3.0]) and fresh_carry.take("default") == "default"  # once
+
+    resized, resized_carry = Kept(state, 0, 3, "step-4.pt"), Carry("as built")
+    with caplog.at_level(logging.WARNING):
+        resized.keep({"hidden": resized_carry}, True, "s.keep_rank")
+        resized.keep({"other": Carry()}, True, "s.keep_rank")
+    assert resized_carry.value == "as built" and resized_carry.take() is None
+    assert caplog.text.count("saved at world size 2") == 1 and "hidden" in caplog.text  # one warning naming them
+
+
+def test_a_resume_names_the_missing_and_the_unexpected_kept_objects():
+    before = Kept(None, 0, 1)
+    before.keep({"netG": nn.Linear(2, 2), "netD": nn.Linear(2, 2)}, False, "s.keep")
+    state = saved(before)
+    with pytest.raises(KeepError, match=r"holds no 'optG'.*Unexpected: optG\. Missing so far: netD"):
+        Kept(state, 0, 1, "x").keep({"netG": nn.Linear(2, 2), "optG": Carry()}, False, "s.keep")
+    partial = Kept(state, 0, 1, "x")
+    partial.keep({"netG": nn.Linear(2, 2)}, False, "s.keep")
+    with pytest.raises(KeepError, match=r"holds netD, which this run never kept before s\.batches.*Missing: netD"):
+        partial.close("s.batches(...)")
+
+
+def test_a_checkpoint_from_before_kept_reads_as_a_task_jobs_four_and_a_missing_scaler_as_none():
+    net = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    old = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    loaded = []
+
+    class Scaler:
+        def state_dict(self) -> None:
+            return None
+
+        def load_state_dict(self, state: object) -> None:
+            loaded.append(state)
+
+    kept = Kept(old, 0, 1, "old.pt")
+    kept.keep({"model": nn.Linear(2, 2), "optimizer": optimizer, "scheduler": scheduler, "scaler": Scaler()}, False,
+              "the task's state")  # fmt: skip
+    kept.close("the task loop's first step")
+    assert loaded == [None]
+
+
+def test_variables_keep_a_scripts_own_names_and_refuse_one_not_set_yet():
+    namespace = {"lr": 20.0, "best_val_loss": None}
+    kept = Variables(namespace, "lr", "best_val_loss")
+    state = kept.state_dict()
+    namespace.update(lr=5.0, best_val_loss=4.2)
+    kept.load_state_dict(state)
+    assert namespace == {"lr": 20.0, "best_val_loss": None}
+    with pytest.raises(KeepError, match="epoch not defined yet"):
+        Variables(namespace, "epoch")
+
+
+def test_faithful_defaults_add_no_schedule_and_no_clipping_to_a_tasks_own_optimizer(caplog):
+    """#25.4: the VAE's Adam at lr 1e-3 annealed to 0 over 4 steps under the service's cosine, and every port was
+    clipped at 1.0; with its own optimizer a task gets neither unless the config asks, and the start says so."""
+    train = load_config(None).train
+    own = Task(nn.Linear(2, 2), DATA, DATA, loss_fn=nn.functional.mse_loss,
+               optimizer_fn=lambda module: torch.optim.Adam(module.parameters(), lr=1e-3))  # fmt: skip
+    plain = Task(nn.Linear(2, 2), DATA, DATA, loss_fn=nn.functional.mse_loss)
+    assert (schedule_setting(own, train), clip_setting(own, train)) == ("constant", None)
+    assert (schedule_setting(plain, train), clip_setting(plain, train)) == ("cosine", 1.0)
+    asked = load_config(None, ["train.lr_schedule=linear", "train.grad_clip=0.25"]).train
+    assert (schedule_setting(own, asked), clip_setting(own, asked)) == ("linear", 0.25)
+    with caplog.at_level(logging.INFO, logger="service.loop.train"):
+        describe_defaults(own, "vae", train)
+    assert "optimizer the task's optimizer_fn; LR schedule constant (train.lr_schedule=auto)" in caplog.text
+    assert "gradient clipping off (train.grad_clip=auto)" in caplog.text
+
+
+def test_a_session_refuses_config_keys_its_script_would_not_get():
+    with pytest.raises(ConfigError) as raised:
+        refuse_unused(load_config(None, ["train.grad_clip=1.0", "train.lr_schedule=cosine", "init_from=w.pt"]))
+    text = str(raised.value)
+    assert "train.grad_clip=1.0" in text and "train.lr_schedule=cosine" in text and "init_from" in text
+    refuse_unused(load_config(None))  # the defaults are a session's
+
+
+@given(st.lists(st.sampled_from(["--config", "--set", "-v", "x", "--set=a=1", "--config=j.yaml", "train.lr=1"]),
+                max_size=8))  # fmt: skip
+def test_the_session_takes_its_own_arguments_off_the_command_line_and_leaves_the_rest(argv):
+    try:
+        path, overrides, rest = split_argv(argv)
+    except ConfigError:
+        assert argv and argv[-1] in ("--config", "--set")  # a flag with no value after it
+        return
+    assert "--config" not in rest and "--set" not in rest
+    assert [item for item in rest if not item.startswith(("--set=", "--config="))] == rest
+    assert len(rest) + len(overrides) + (path is not None) <= len(argv)
+
+
+@given(st.integers(1, 300), st.integers(1, 16), st.integers(1, 5), st.booleans(), st.booleans())
+def test_a_sessions_plan_hands_every_rank_whole_samples_and_no_sample_twice(length, batch, world, shuffle, drop):
+    """drop_last: only whole steps; else a last step where every rank has at least one sample (no filler a script
+    would train on). Every sample of the steps taken is seen once."""
+    dataset = range(length)
+    seen: list[int] = []
+    for rank in range(world):
+        plan = map_plan(dataset, 7, batch, world, rank, True, shuffle, drop)
+        for step in plan.steps(0, 0):
+            assert all(part.real and len(part.indices) == part.real for part in step.micro)
+            seen += step.indices
+    assert len(seen) == len(set(seen))
+    full = length // (batch * world) * batch * world
+    assert len(seen) in ((full,) if drop else (full, length))
+    if not shuffle:
+        assert epoch_order(length, 7, 0, False).tolist() == list(range(length))
