@@ -83,11 +83,10 @@ class Window:
     def _host(self) -> dict[str, float]:
         """This window's sums on the host: one read of the device for all of them."""
         on_device = [name for name, value in self.sums.items() if isinstance(value, Tensor)]
-        values = {name: float(value) for name, value in self.sums.items() if not isinstance(value, Tensor)}
-        if on_device:
-            read = torch.stack([self.sums[name].to(self.device) for name in on_device]).tolist()
-            values.update(zip(on_device, read, strict=True))
-        return values
+        read = torch.stack([self.sums[name].to(self.device) for name in on_device]).tolist() if on_device else []
+        from_device = dict(zip(on_device, read, strict=True))
+        return {name: from_device[name] if name in from_device else float(value)
+                for name, value in self.sums.items()}  # in the order they were logged  # fmt: skip
 
     def report(self, state: LoopState, total_steps: int, lr: float | None) -> StepReport:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
