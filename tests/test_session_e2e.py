@@ -91,7 +91,7 @@ def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_pa
     args = ("--dataset", "fake", "--imageSize", "64", "--ngf", "8", "--ndf", "8", "--nz", "16", "--batchSize", "8",
             "--workers", "0", "--manualSeed", "1", "--outf", str(tmp_path / "out"))  # fmt: skip
     sets = ("train.max_steps=10", "train.epochs=1", "train.log_every=1", "metrics.tensorboard=true",
-            "logging.all_ranks=true")  # fmt: skip
+            "logging.all_ranks=true", "checkpoint.best={metric: loss_G, mode: min}")  # fmt: skip
     (tmp_path / "out").mkdir()
     script = EXAMPLES / "dcgan.py"
     output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
@@ -108,11 +108,30 @@ def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_pa
     events.Reload()
     assert {"train/loss_D", "train/loss_G", "train/D_x"} <= set(events.Tags()["scalars"])
     assert [event.step for event in events.Scalars("train/loss_D")] == list(range(1, 11))
+    best = json.loads((tmp_path / "straight" / "checkpoints" / "best.json").read_text())  # ranked by a logged number
+    assert best["metric"] == "loss_G" and 1 <= best["step"] <= 10
+    assert_exports_one_kept_module(tmp_path / "straight", tmp_path)
 
     first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=5)
     assert first["stopped_at_step"] < 62  # mid-epoch
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == first["stopped_at_step"]
     assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+
+
+def assert_exports_one_kept_module(run_dir: Path, tmp_path: Path) -> None:
+    """#25.5: export of a run that kept two modules needs --module (exit 2 naming both); with it, the module's
+    weights alone, its own keys, as its state dict has them."""
+    import torch
+    from safetensors.torch import load_file
+
+    from service.cli import main
+
+    assert main(["export", str(run_dir), str(tmp_path / "both.safetensors")]) == 2
+    assert main(["export", str(run_dir), "--module", "netG", str(tmp_path / "netG.safetensors")]) == 0
+    saved = torch.load(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1], weights_only=True)["netG"]
+    exported = load_file(str(tmp_path / "netG.safetensors"))
+    assert list(exported) == list(saved) and all(torch.equal(exported[key], saved[key]) for key in saved)
+    assert not any(key.startswith("module.") for key in exported)
 
 
 def corpus(directory: Path, words: int) -> Path:
@@ -166,9 +185,10 @@ def stream_files(directory: Path) -> Path:
 
 
 def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_world_size(tmp_path: Path) -> None:
-    """nanoGPT on a Hugging Face datasets stream (streaming=True, local JSON lines), 2 processes x 2 loader workers:
-    SIGTERM at step 5, a rerun, the uninterrupted digest. The stream's position belongs to the world that saved it:
-    a resume at 1 process is refused, naming the fix."""
+    """nanoGPT on a Hugging Face datasets stream (streaming=True, local JSON lines), 2 processes x 2 loader workers,
+    started with `ddp-service launch --script`: SIGTERM to the launcher at step 5 (exit 75), a rerun, the
+    uninterrupted digest. The stream's position belongs to the world that saved it: a resume at 1 process is
+    refused, naming the fix, and data.stream_resume=restart starts the stream afresh."""
     pythonpath = paths()
     data = stream_files(tmp_path / "data")
     args = ("--data", str(data), "--block_size", "16", "--batch_size", "4")
@@ -178,14 +198,32 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == 12, output[-3000:]
 
-    first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=5)
+    # Preempted through `ddp-service launch --script`: SIGTERM to the launcher, the workers stop, exit 75.
+    launch = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--script", str(script)]
+    for override in (*QUICK, f"run_dir={tmp_path / 'run'}", *sets):
+        launch += ["--set", override]
+    proc, watcher = watch_with([*launch, "--", *args], pythonpath)
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 5/", timeout=180)
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, watcher, timeout=120) == 75, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    first = read_summary(tmp_path / "run")
+    assert first["status"] == "preempted" and first["stopped_at_step"] >= 5
+    output = run_script(script, 2, tmp_path / "run", sets, args, pythonpath)
+    resumed = read_summary(tmp_path / "run")
     assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
-    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+    assert resumed["model_digest"] == straight["model_digest"], watcher.text()[-3000:] + output[-3000:]
 
     refused = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.num_workers=2"), args, pythonpath,
                          expect=1)  # fmt: skip
     assert "position was saved at world size 2; this start has 1 ranks" in refused, refused[-3000:]
     assert "data.stream_resume=restart" in refused
+    restarted = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.stream_resume=restart"), args,
+                           pythonpath)  # fmt: skip
+    assert "it starts afresh (data.stream_resume=restart)" in restarted
+    assert read_summary(tmp_path / "run")["global_step"] == 14
 
 
 def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> None:
