@@ -228,7 +228,7 @@ def export_onnx(path, batch_size, seq_len):
 # Loop over epochs.
 lr = args.lr
 best_val_loss = None
-s.keep(model=model, loop=service.Variables(globals(), 'lr', 'best_val_loss'), **({'optimizer': optimizer} if args.use_optimizer else {}))
+s.keep(model=model, script=service.Variables(globals(), 'lr', 'best_val_loss'), **({'optimizer': optimizer} if args.use_optimizer else {}))
 s.keep_rank(hidden=(carry := service.Carry()))
 
 # At any point you can hit Ctrl + C to break out of training early.

@@ -222,7 +222,7 @@ class Carry:
 
 class Variables:
     """A script's own variables, by name, in a namespace (a module's ``globals()``): kept and restored as they
-    are, e.g. ``s.keep(loop=service.Variables(globals(), "lr", "best_val_loss"))`` for a learning rate a script
+    are, e.g. ``s.keep(script=service.Variables(globals(), "lr", "best_val_loss"))`` for a learning rate a script
     anneals by hand between epochs. Numbers, strings, None and tensors (in plain containers)."""
 
     def __init__(self, namespace: dict[str, Any], *names: str) -> None:
