@@ -78,7 +78,7 @@ class Runtime:
         torch.manual_seed(config.seed)
         checkpoints = Path(config.run_dir) / "checkpoints"
         own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
-        self.area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id)
+        self.area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id, agent=world.agent_pid)
         agreeing = time.perf_counter()  # the resume's time, for the goodput ledger: the agreement and the loads
         self.resumed = agree_on_checkpoint(checkpoints, world.rank, world.world_size, self.control,
                                            config.checkpoint.resume, own,

@@ -50,6 +50,9 @@ class WorldInfo:
     # The batch system around the launcher ("slurm"), whichever launcher started the processes:
     # torchrun under srun reads as launcher "torchrun", scheduler "slurm".
     scheduler: str | None = None
+    # The process that restarts this one: torchrun's agent, or slurmstepd, is its parent, unless the parent is a
+    # fork server the agent runs (``ddp-service launch``), which names the agent in DDP_SERVICE_AGENT_PID.
+    agent_pid: int | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -321,10 +324,14 @@ LAUNCHERS: tuple[Launcher, ...] = (
 )
 
 
+AGENT_PID = "DDP_SERVICE_AGENT_PID"
+
+
 def detect_world(env: Mapping[str, str]) -> WorldInfo:
     """Read the first launcher whose variables are present (NoLauncher takes any mapping)."""
     launcher = next(item for item in LAUNCHERS if item.detects(env))
-    return dataclasses.replace(launcher.read(env), scheduler=detect_scheduler(env))
+    agent = _int(env, AGENT_PID, default=0) or None
+    return dataclasses.replace(launcher.read(env), scheduler=detect_scheduler(env), agent_pid=agent)
 
 
 def detect_scheduler(env: Mapping[str, str]) -> str | None:

@@ -1,0 +1,57 @@
+"""Warm restarts under ``ddp-service launch``: workers forked from a fork server that has imported torch already.
+
+torchrun's agent starts every worker as a new interpreter (``python -m service train``), so each start and each
+restart after a failure paid the interpreter, ``import torch`` (1.45 s of CPU) and the ``torch._dynamo`` that
+DDP's constructor imports (1.2 s), for every worker, before a step. ``launch`` has torchrun's own agent run its
+workers as a function instead (``--run-path`` with ``--start-method forkserver``: torch.distributed.run's
+``start_processes``, no process manager of our own), from a fork server that imports torch, ``torch._dynamo``,
+the service and the job's task module once (``multiprocessing.set_forkserver_preload``), and which the agent
+starts while it waits in its first rendezvous. A restarted worker is a fork of it: no interpreter start, no
+imports.
+
+What stays as it was, checked by the tests: a worker still dies with its agent (the fork server exits when the
+agent does, and each worker's parent-death signal follows it), signals and exit codes (75 on preemption), the
+run_dir lock's process id (the worker's own), and the node's in-memory snapshots (keyed by the agent, which the
+workers learn from ``DDP_SERVICE_AGENT_PID``: their parent is the fork server now). Plain ``torchrun -m service
+train`` starts its workers as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from service.world.env import AGENT_PID
+
+log = logging.getLogger("service.ops.launcher")
+
+WORKER = Path(__file__).resolve().parent.parent / "worker.py"  # what each worker runs: service/worker.py
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "service.entry", "service.cli", "service.loop.runtime",
+           "service.loop.train", "service.loop.session")  # fmt: skip
+
+
+def task_module(task: str) -> list[str]:
+    """The module of a ``package.module:function`` task (a built-in task's module is the service's)."""
+    module, sep, _ = task.partition(":")
+    return [module] if sep and module else []
+
+
+def warm_workers(namespace: argparse.Namespace, task: str) -> None:
+    """Have torchrun's agent (its parsed ``namespace``) run the workers as a function from a preloaded fork server:
+    ``--run-path service/worker.py [--script PATH] ARGS``, ``--start-method forkserver``; start the fork server now,
+    so its imports overlap the agent's rendezvous."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    os.environ[AGENT_PID] = str(os.getpid())  # the fork server and its workers inherit it
+    modules = [*PRELOAD, *task_module(task)]
+    multiprocessing.set_forkserver_preload(modules)
+    args = list(namespace.training_script_args)
+    if not namespace.module:  # --script: a script with its own loop
+        args = ["--script", str(namespace.training_script), *args]
+    namespace.training_script, namespace.training_script_args = str(WORKER), args
+    namespace.run_path, namespace.module, namespace.start_method = True, False, "forkserver"
+    multiprocessing.forkserver.ensure_running()
+    log.info("launch: workers start from a fork server that imports %s once (warm restarts)", ", ".join(modules))
