@@ -109,6 +109,8 @@ def _within(low: int, high: int, fix: str) -> BeforeValidator:
     """Refuse a number outside ``low..high`` before pydantic's int parsing (``1.0e+23`` would overflow it)."""
 
     def check(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(_NOT_FINITE)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
             raise ValueError(f"must be between {low} and {high}; {fix}")
         return value

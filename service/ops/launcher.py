@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service import early as held
 from service.config import ConfigError, JobConfig, load_config
 from service.ops.launch_signals import EarlySignals, Signalled, handled_signals, raise_signalled, restore_signals
 from service.ops.preflight import check_against_world
@@ -278,6 +279,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     kept = EarlySignals()
     handler = kept.handler(raise_signalled)
     previous = {sig: signal.signal(sig, handler) for sig in early}
+    held.release()  # a signal since the command line's first line reaches the handler above now
     try:
         return _launch(argv, environ, previous, kept)
     except Signalled as exc:
