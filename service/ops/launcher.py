@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service import early as held
 from service.config import ConfigError, JobConfig, load_config
 from service.ops.launch_args import (  # noqa: F401 (re-exported: the parsing's public names)
     DEFAULT_SIGNALS,
@@ -102,6 +103,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     handler = kept.handler(raise_signalled)
     previous = {sig: signal.signal(sig, handler) for sig in early}
     try:
+        held.release()  # a signal since the command line's first line reaches the handler above now
         return _launch(argv, environ, previous, kept)
     except Signalled as exc:
         log.warning("launch: got %s before torchrun's agent started; no worker ran", exc.sigval.name)
