@@ -52,3 +52,17 @@ def main() -> None:
     if isinstance(code, int) and nothing_left():
         leave(code)
     sys.exit(code)
+
+
+def run_script(path: str, args: list[str]) -> None:
+    """A script with its own loop (``ddp-service launch --script``) in this process, as ``python PATH ARGS`` runs
+    it: its folder first on ``sys.path``, run as ``__main__``; the stop signals held until its session has its
+    handlers (``service.Session`` releases them)."""
+    early.hold()
+    import os
+    import runpy
+    import sys
+
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")

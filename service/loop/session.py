@@ -33,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
 from service.state.preemption import EXIT_FAILED, EXIT_PREEMPTED, Preemption
 
@@ -114,6 +115,7 @@ class Session:
         if self._runtime is not None:
             return self
         self._preemption = Preemption()  # first thing: a signal during start-up is kept until the first agreement
+        early.release()  # a signal held since the program's first line (launch's workers) reaches it now
         try:
             self._open()
         except BaseException:
@@ -198,8 +200,13 @@ class Session:
                 finish_in_flight(rt)  # a break after a step's body: that step counts
                 rt.finish(rt.stopped or "completed")
             if rt.summary is not None:  # every rank's own (logging.all_ranks shows them all): replicas agree
-                log.info("done: %s at step %d, model digest %s, %s samples/s", rt.summary["status"],
-                         rt.summary["global_step"], rt.summary["model_digest"], rt.summary["samples_per_second"])
+                log.info(
+                    "done: %s at step %d, model digest %s, %s samples/s",
+                    rt.summary["status"],
+                    rt.summary["global_step"],
+                    rt.summary["model_digest"],
+                    rt.summary["samples_per_second"],
+                )
         finally:
             if self._stack is not None:
                 self._stack.close()

@@ -50,6 +50,7 @@ from service.ops.launch_args import (  # noqa: F401 (re-exported: the parsing's 
     parse_request,
 )
 from service.ops.launch_signals import EarlySignals, Signalled, handled_signals, raise_signalled, restore_signals
+from service.ops.warm import warm_workers
 from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
 from service.world.env import WorldInfo
 from service.world.preflight import check_against_world
@@ -160,6 +161,7 @@ def run_agent(request: LaunchRequest, config: JobConfig, kept: EarlySignals | No
     for sig in handled_signals(request.torchrun.signals_to_handle):
         signal.signal(sig, handler)
     kept.check()  # a signal whose raise was lost while torch loaded: no agent, no worker
+    warm_workers(request.torchrun, config.task)
     log.info("launch: torchrun %s", _describe(request.torchrun))
     done = threading.Event()
     watcher = threading.Thread(target=kept.redeliver, args=(done,), name="launch-signals", daemon=True)
@@ -215,6 +217,8 @@ def _describe(namespace: argparse.Namespace) -> str:
     else:
         parts += [f"--rdzv-backend={namespace.rdzv_backend}", f"--rdzv-endpoint={namespace.rdzv_endpoint}"]
     entry = ["-m", "service"] if namespace.module else [namespace.training_script]
+    if namespace.run_path:
+        entry = [f"--start-method={namespace.start_method}", "--run-path", *entry]
     parts += [f"--max-restarts={namespace.max_restarts}", f"--signals-to-handle={namespace.signals_to_handle}",
               *entry, *namespace.training_script_args]  # fmt: skip
     return " ".join(parts)
