@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -26,6 +27,7 @@ class _Held:
     def __init__(self) -> None:
         self.previous: dict[signal.Signals, Any] = {}
         self.pending: list[signal.Signals] = []
+        self.since: float | None = None  # time.time() at the program's first line (start-up's first mark)
 
     def note(self, signum: int, frame: FrameType | None) -> None:
         self.pending.append(signal.Signals(signum))
@@ -38,7 +40,13 @@ def hold() -> None:
     """Note the stop signals from now on (the main thread only; elsewhere, and a second time, nothing)."""
     if _HELD.previous or threading.current_thread() is not threading.main_thread():
         return
+    _HELD.since = _HELD.since or time.time()
     _HELD.previous = {sig: signal.signal(sig, _HELD.note) for sig in HELD}
+
+
+def started() -> float | None:
+    """``time.time()`` at the program's first line (:func:`hold`), or None when it did not run (a library use)."""
+    return _HELD.since
 
 
 def release() -> list[signal.Signals]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DataParallel
 
+from service import early
 from service.config import JobConfig
 from service.loop.batches import to_device
 from service.loop.geometry import plan_total_steps
@@ -43,6 +44,7 @@ from service.state.resume import rng_state as saved_rng_state
 from service.state.snapshot import node_area
 from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import StepReport
+from service.telemetry.startup import StartupMarks
 from service.world.distributed import DistContext, all_gather_bytes, any_rank, distributed, sum_across
 from service.world.env import WorldInfo
 from service.world.orphans import guard_against_orphaning
@@ -73,7 +75,13 @@ class Runtime:
         self.label = label or config.task
         self.device = dist_ctx.device
         self.control = dist_ctx.control
+        times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0)
+        self.startup = StartupMarks(times.process_start)  # summary.json's startup: each phase's end
+        for name, at in (("entry", early.started()), ("group_began", dist_ctx.began), ("group_up", dist_ctx.up)):
+            if at is not None:
+                self.startup.mark(name, at)
         check_same_config(config, world.world_size, self.control)
+        self.startup.mark("config_agreed")
         preemption.connect(any_rank(self.control))
         torch.manual_seed(config.seed)
         checkpoints = Path(config.run_dir) / "checkpoints"
@@ -84,6 +92,7 @@ class Runtime:
                                            config.checkpoint.resume, own,
                                            self.area.readable() if self.area else None)  # fmt: skip
         self.restore_seconds = time.perf_counter() - agreeing if self.resumed is not None else 0.0
+        self.startup.mark("resume_agreed")
         if self.resumed is not None:
             check_compatible(self.resumed, config)
         # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank
@@ -122,6 +131,7 @@ class Runtime:
             self.roles.snapshots.abandon if last_attempt(world) else lambda: None,
         )
         self.watchdog.start()
+        self.startup.mark("runtime")
 
     @classmethod
     @contextlib.contextmanager
@@ -366,4 +376,5 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "launcher": rt.world.launcher,
         "scheduler": rt.world.scheduler,
         "device": rt.device.type,
+        "startup": rt.startup.as_dict(),  # seconds from the process's start to the end of each start-up phase
     }

@@ -100,6 +100,7 @@ def _epoch(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks) -> Generator[F
         if fed is None:
             return "epoch"
         fetched = time.perf_counter()
+        rt.startup.mark("first_batch")
         seed_step(seed, state.global_step, rank, device)
         rt.in_flight = (fed, started, fetched)
         yield fed
@@ -121,6 +122,7 @@ def count_step(rt: Runtime, fed: Fed, started: float, fetched: float) -> None:
     rt.window.step(reals)
     rt.roles.sink.on_step(reals, time.perf_counter() - started, fetched - started, fed.tokens)
     rt.roles.trace.record(fed.plan, state.global_step)
+    rt.startup.mark("first_step")
 
 
 def finish_in_flight(rt: Runtime) -> None:

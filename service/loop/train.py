@@ -108,12 +108,14 @@ def build_job(rt: Runtime) -> TaskJob:
     """Load the task, wrap its model, build its optimizer and schedule, and keep them (restored on a resume)."""
     config, train = rt.config, rt.config.train
     task = load_task(config.task, config.seed, config.task_options)
+    rt.startup.mark("task_built")
     step = TaskStep(task, config.task)
     collate = task.collate_fn or checked_collate(config.task)
     feed = task_feed(rt, task, collate)
     if rt.resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
     model = rt.model(task.model, call="the task's model")
+    rt.startup.mark("model_wrapped")
     module = unwrap(model)
     total_steps = rt.plan(feed)
     optimizer = build_optimizer(task, config.task, module, lambda: make_optimizer(model.parameters(), train))
@@ -134,6 +136,7 @@ def build_job(rt: Runtime) -> TaskJob:
     one_sample = lambda dataset: to_device(collate([dataset[0]]), rt.device)  # noqa: E731
     eval_names = step.metric_names(module, lambda: one_sample(task.eval_set), len(task.eval_set), precision.autocast)  # type: ignore[arg-type]
     rt.roles.checkpointer.check_metrics(eval_names)  # checkpoint.best names one of them, on every rank
+    rt.startup.mark("task_ready")
     return TaskJob(
         runtime=rt, task=task, step=step, eval_names=eval_names, model=model, params=list(model.parameters()),
         optimizer=optimizer, scheduler=scheduler, feed=feed,

@@ -1,0 +1,28 @@
+"""Where a start's seconds go before its first step: marks on one clock, from the process's start.
+
+The runtime and the loops mark each phase as it ends (the program's first line, the process group, the lock,
+the config and resume agreements, the roles, the task, the wrapped model, the kept state, the first batch, the
+first step); ``summary.json``'s ``startup`` holds them as seconds since the process started, and
+``bench/startup.py`` compares them with the seed's bare recipe.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class StartupMarks:
+    """Phase name → Unix time it ended; :meth:`as_dict` gives seconds since ``process_start``."""
+
+    def __init__(self, process_start: float) -> None:
+        self.process_start = process_start
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """``name`` ended now (or at ``at``); the first mark of a name stands (a later one is the same phase
+        again: a second feed, a restarted epoch)."""
+        self.marks.setdefault(name, time.time() if at is None else at)
+
+    def as_dict(self) -> dict[str, float]:
+        ordered = sorted(self.marks.items(), key=lambda item: item[1])
+        return {name: round(at - self.process_start, 3) for name, at in ordered}
