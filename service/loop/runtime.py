@@ -70,14 +70,15 @@ class Runtime:
     """A start of a job: build it with :meth:`opened` (the lock, the process group, then this)."""
 
     def __init__(self, config: JobConfig, world: WorldInfo, dist_ctx: DistContext, preemption: Preemption,
-                 terminal: bool = False, label: str | None = None) -> None:  # fmt: skip
+                 terminal: bool = False, label: str | None = None, imported: float | None = None) -> None:  # fmt: skip
         self.config, self.world, self.dist_ctx, self.preemption = config, world, dist_ctx, preemption
         self.label = label or config.task
         self.device = dist_ctx.device
         self.control = dist_ctx.control
         times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0)
         self.startup = StartupMarks(times.process_start)  # summary.json's startup: each phase's end
-        for name, at in (("entry", early.started()), ("group_began", dist_ctx.began), ("group_up", dist_ctx.up)):
+        for name, at in (("entry", early.started()), ("imports", imported), ("group_began", dist_ctx.began),
+                         ("group_up", dist_ctx.up)):  # fmt: skip
             if at is not None:
                 self.startup.mark(name, at)
         check_same_config(config, world.world_size, self.control)
@@ -139,10 +140,11 @@ class Runtime:
                label: str | None = None) -> Iterator[Runtime]:  # fmt: skip
         """The orphan guard, run_dir's lock and the process group, then a :class:`Runtime` in them; on the way out
         the runtime lets go of what holds the group (its wrapped models) before the group is destroyed."""
+        imported = time.time()  # torch and the service are loaded by now
         guard_against_orphaning(world)  # before anything that could outlive a dead agent
         guard = build_run_dir_guard(config, world)
         with guard.held(), distributed(world, config.dist.backend, config.dist.timeout_seconds) as dist_ctx:
-            runtime = cls(config, world, dist_ctx, preemption, terminal, label)
+            runtime = cls(config, world, dist_ctx, preemption, terminal, label, imported)
             try:  # a lost run_dir lock fences the writers first, then stops every rank at the next agreed step
                 with guard.on_lost(lambda why: runtime.roles.fence(guard.vacant), preemption.lose_lock):
                     yield runtime

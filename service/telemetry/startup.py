@@ -23,6 +23,9 @@ class StartupMarks:
         again: a second feed, a restarted epoch)."""
         self.marks.setdefault(name, time.time() if at is None else at)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, object]:
+        """``{"process_start": Unix time, "phases": {name: seconds since then}}``, the phases in the order they
+        ended."""
         ordered = sorted(self.marks.items(), key=lambda item: item[1])
-        return {name: round(at - self.process_start, 3) for name, at in ordered}
+        return {"process_start": round(self.process_start, 3),
+                "phases": {name: round(at - self.process_start, 3) for name, at in ordered}}  # fmt: skip
