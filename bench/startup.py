@@ -114,8 +114,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for mode in ("bare", "service") if round_ % 2 == 0 else ("service", "bare"):
             samples[mode].append(run(mode, args.world))
-        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-            f"{mode} first step at {samples[mode][-1]['first_step']:.2f} s" for mode in samples), flush=True)  # fmt: skip
+        firsts = ", ".join(f"{mode} first step at {samples[mode][-1]['first_step']:.2f} s" for mode in samples)
+        print(f"round {round_ + 1}/{args.rounds}: {firsts}", flush=True)
 
     def median(mode: str, phase: str) -> float | None:
         values = [marks[phase] for marks in samples[mode] if phase in marks]
