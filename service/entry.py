@@ -20,8 +20,12 @@ from __future__ import annotations
 from service import early
 
 
-def main() -> None:
-    """Hold the stop signals, import and run the command (``service.cli``), and leave."""
+def main(quick_success: bool = True) -> None:
+    """Hold the stop signals, import and run the command (``service.cli``), and leave.
+
+    ``quick_success=False`` (a worker forked by ``launch``'s fork server, a function to torchrun's agent): a
+    success returns the normal way, since the agent counts a worker done only once its function has returned;
+    a failure or a preemption still leaves at once, with its code."""
     early.hold()  # before the imports (a second or more): a SIGTERM now is kept for the command's own handlers
     import logging
     import multiprocessing
@@ -49,7 +53,7 @@ def main() -> None:
             raise
         traceback.print_exc()
         leave(1)
-    if isinstance(code, int) and nothing_left():
+    if isinstance(code, int) and nothing_left() and (code != 0 or quick_success):
         leave(code)
     sys.exit(code)
 

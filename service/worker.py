@@ -9,4 +9,4 @@ from service.entry import main, run_script
 if sys.argv[1:2] == ["--script"]:
     run_script(sys.argv[2], sys.argv[3:])
 else:
-    main()
+    main(quick_success=False)  # torchrun's agent counts a worker done once its function returned

@@ -56,3 +56,16 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
             if item.startswith(b"LOCAL_RANK="):
                 workers[int(item.split(b"=", 1)[1])] = pid
     return workers
+
+
+def fork_server_workers(agent_pid: int) -> tuple[int, list[int]]:
+    """(the fork server's pid, its children: the workers) under ``ddp-service launch``'s agent; (0, []) before."""
+    children = _children_map()
+    for child in children.get(agent_pid, []):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            return child, sorted(children.get(child, []))
+    return 0, []

@@ -3,6 +3,7 @@ a bad config, a signal mid-run and torchrun options that reach the agent (e2e)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, child_env, kill_group, read_summary
+from conftest import QUICK, REPO, child_env, kill_group, read_summary, run_job
 from hypothesis import given
 from hypothesis import strategies as st
-from procs import worker_pids
+from procs import fork_server_workers, worker_pids
 from test_resume_e2e import LineWatcher, watch
 from test_resume_e2e import finish as finish_watched
 
@@ -275,6 +276,61 @@ def test_a_signal_before_the_agent_started_workers_ends_the_launch_preempted(tmp
         kill_group(proc)
     assert "exit 75 (preempted" in watcher.text() and "[rank" not in watcher.text()  # no worker ran
     assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.e2e
+def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their_agent(tmp_path):
+    """#26.2: launch's workers are forks of a fork server that imported torch, torch._dynamo and the service. One
+    SIGKILLed mid-run is replaced by a fork of the same server (no new interpreter) that resumes from the snapshot
+    of its last step and ends with an uninterrupted run's digest; the run_dir lock names the worker itself; and a
+    SIGKILL of the agent takes its fork server and every worker down with it (parent-death signals)."""
+    job = ("task=slow_tasks:slow_shapes", "task_options.sleep=0.04", "task_options.image_size=16",
+           "task_options.dropout=0.2", "train.max_steps=24", "train.epochs=10", "train.log_every=1",
+           "checkpoint.every_steps=1000")  # fmt: skip
+    run_job(tmp_path / "straight", 2, *job)
+    straight = read_summary(tmp_path / "straight")
+    sets = [item for override in (*job, f"run_dir={tmp_path / 'run'}") for item in ("--set", override)]
+    proc, watcher = start("--nproc-per-node=2", "--max-restarts=1", *sets)
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 8/", timeout=120)
+        server, workers = fork_server_workers(proc.pid)
+        assert server and len(workers) == 2, (server, workers)
+        holder = json.loads((tmp_path / "run" / ".lock").read_text())
+        assert holder["pid"] in workers  # the lock names the worker, not the fork server or the agent
+        os.kill(workers[0], signal.SIGKILL)
+        watcher.wait_for(r"process group up: attempt 1", timeout=60)
+        again, restarted = fork_server_workers(proc.pid)
+        assert again == server and len(restarted) == 2 and not set(restarted) & set(workers)  # forks of one server
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    summary = read_summary(tmp_path / "run")
+    assert summary["resumed_from"]["source"] == "snapshot" and summary["model_digest"] == straight["model_digest"]
+
+    proc, watcher = start("--nproc-per-node=2", *[item for o in (*job, f"run_dir={tmp_path / 'orphans'}")
+                                                   for item in ("--set", o)])  # fmt: skip
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=120)
+        server, workers = fork_server_workers(proc.pid)
+        assert server and len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)  # the agent alone
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in (server, *workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in (server, *workers)), "the fork server or a worker outlived its agent"
+    finally:
+        kill_group(proc)
+        for pid in (server, *workers):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie left to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 @pytest.mark.e2e
