@@ -44,8 +44,24 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
                 pass
 
 
+def _started(pid: int) -> tuple[int, int]:
+    """(start time in clock ticks after boot, pid): the order processes were made in."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]), pid
+    except (OSError, IndexError, ValueError):
+        return 1 << 62, pid
+
+
 def worker_pids(agent_pid: int) -> dict[int, int]:
-    """LOCAL_RANK → pid of a torchrun agent's worker processes."""
+    """LOCAL_RANK → pid of a torchrun agent's worker processes.
+
+    A worker torchrun started as a process has LOCAL_RANK in its environment; one forked by ``ddp-service
+    launch``'s fork server gets it set after the fork (not in /proc's copy): those are taken in the order the
+    agent started them, local rank 0 first.
+    """
+    _, forked = fork_server_workers(agent_pid)
+    if forked:
+        return dict(enumerate(sorted(forked, key=_started)))
     workers = {}
     for pid in descendants(agent_pid):
         try:

@@ -358,3 +358,29 @@ def test_nonfinite_skip_skips_the_update_and_counts_it(tmp_path):
     assert summary["status"] == "completed" and summary["nonfinite_steps"] == 2
     assert summary["final_loss"] == summary["final_loss"]  # finite: the nan steps never reached the weights
     assert "step 3: the gradient norm is nan; its update is skipped" in done.stdout
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
+def test_a_fork_server_worker_watches_its_agent_and_ends_when_it_dies(pidfd, monkeypatch):
+    """#26.2: a worker forked by launch's fork server cannot use its parent's death (the fork server lives as long
+    as its workers): AgentWatchdog wakes when the agent process exits, on its pidfd or by polling."""
+    from service.world.orphans import AgentWatchdog
+
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    agent = subprocess.Popen(["sleep", "60"])
+    orphaned = []
+    watchdog = AgentWatchdog(agent.pid, interval=0.05, on_orphan=lambda: orphaned.append(time.monotonic())).start()
+    try:
+        time.sleep(0.3)
+        assert orphaned == []  # alive: nothing
+        killed = time.monotonic()
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 3
+        while not orphaned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert orphaned and orphaned[0] - killed < 1.0
+    finally:
+        watchdog.stop()
+        agent.kill()

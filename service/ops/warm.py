@@ -32,6 +32,16 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "service.entry", "serv
            "service.loop.train", "service.loop.session")  # fmt: skip
 
 
+class _NoJoinTraceback(logging.Filter):
+    """torch's agent logs a failed function worker with the traceback of its own ``join`` (ProcessExitedException):
+    the worker's exit code is the news (a preemption's 75, a refused input's 2), the agent's stack is not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith("failed (exitcode"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def task_module(task: str) -> list[str]:
     """The module of a ``package.module:function`` task (a built-in task's module is the service's)."""
     module, sep, _ = task.partition(":")
@@ -53,5 +63,6 @@ def warm_workers(namespace: argparse.Namespace, task: str) -> None:
         args = ["--script", str(namespace.training_script), *args]
     namespace.training_script, namespace.training_script_args = str(WORKER), args
     namespace.run_path, namespace.module, namespace.start_method = True, False, "forkserver"
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoJoinTraceback())
     multiprocessing.forkserver.ensure_running()
     log.info("launch: workers start from a fork server that imports %s once (warm restarts)", ", ".join(modules))

@@ -22,6 +22,13 @@ deletes; the previous checkpoints stay valid (writes are atomic).
 
 Only workers under torchrun arm it. A plain ``python -m service train``
 whose shell exits (``nohup``) must go on, and ``srun`` kills its own tasks.
+
+A worker of ``ddp-service launch`` is forked by the agent's fork server
+(:mod:`service.ops.warm`), which lives as long as any worker does (each holds
+the write end of its liveness pipe): the parent's death would never come. Such
+a worker (``WorldInfo.agent_pid``, not its parent) watches the agent itself: a
+thread waits on the agent's pidfd (``os.pidfd_open``, woken the moment it
+exits), or polls it where pidfds do not exist.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from service.world.env import WorldInfo
 
@@ -87,12 +96,74 @@ class ParentWatchdog:
         self._stop.set()
 
 
-def guard_against_orphaning(world: WorldInfo) -> ParentWatchdog | None:
-    """Under torchrun, arm both mechanisms (decided once, at start); elsewhere do nothing."""
+class AgentWatchdog:
+    """A daemon thread that ends the process once the agent (not its parent: the fork server) has exited."""
+
+    def __init__(self, agent: int, interval: float = POLL_SECONDS, on_orphan=die_now) -> None:
+        self.agent = agent
+        self.interval = interval
+        self.on_orphan = on_orphan
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="agent-watchdog", daemon=True)
+
+    def start(self) -> AgentWatchdog:
+        self._thread.start()
+        return self
+
+    def _gone(self) -> bool:
+        try:
+            os.kill(self.agent, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:  # a zombie the agent's own parent has not reaped is gone too
+            return Path(f"/proc/{self.agent}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
+
+    def _watch(self) -> None:
+        try:
+            pidfd = os.pidfd_open(self.agent)
+        except ProcessLookupError:
+            pidfd = None
+            self._report()
+            return
+        except (OSError, AttributeError):  # no pidfds here: poll
+            pidfd = None
+        try:
+            while not self._stop.is_set():
+                if pidfd is not None:
+                    ready, _, _ = select.select([pidfd], [], [], self.interval)
+                    if ready:
+                        self._report()
+                        return
+                elif self._stop.wait(self.interval) or self._gone():
+                    if not self._stop.is_set():
+                        self._report()
+                    return
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _report(self) -> None:
+        print(f"the torchrun agent (process {self.agent}) is gone: this worker stops now, without a checkpoint",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self.on_orphan()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def guard_against_orphaning(world: WorldInfo) -> ParentWatchdog | AgentWatchdog | None:
+    """Under torchrun, arm both mechanisms (decided once, at start); elsewhere do nothing. A worker forked by the
+    agent's fork server watches the agent itself (its parent, the fork server, outlives it)."""
     if world.launcher != "torchrun":
         return None
     parent = os.getppid()  # may be 1 legitimately: torchrun as a container's first process
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the agent died between the two calls, before the kernel could tell us
         die_now()
+    if world.agent_pid and world.agent_pid != parent:
+        return AgentWatchdog(world.agent_pid).start()
     return ParentWatchdog(parent).start()
