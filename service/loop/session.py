@@ -243,6 +243,15 @@ class Session:
         ``checkpoint.best.metric`` ranks the checkpoints."""
         self._rt.log(scalars, "s.log")
 
+    @property
+    def epoch_step(self) -> int:
+        """Steps already taken in the current epoch: 0 at its start, the resumed position after a resume.
+        ``enumerate(s.batches(...), s.epoch_step)`` numbers a resumed epoch's batches as the uninterrupted run did."""
+        rt = self._rt
+        feed = rt.feed
+        batch = feed.global_batch if feed is not None else None
+        return rt.state.cursor // batch if batch else 0
+
     def epochs(self) -> Iterator[int]:
         """The epochs left (``train.epochs``, from the one a resume stands in); within one, ``s.batches`` gives that
         epoch's batches only."""
