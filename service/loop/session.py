@@ -97,6 +97,7 @@ class Session:
         self._preemption: Preemption | None = None
         self._feeds: dict[tuple[Any, ...], Any] = {}
         self._epoch: int | None = None
+        self._last_feed: Any = None  # the feed of the latest s.batches call (s.epoch_step reads its batch)
         self._closed = False
         self._with = False
         self.rank = self.local_rank = 0
@@ -198,8 +199,13 @@ class Session:
                 finish_in_flight(rt)  # a break after a step's body: that step counts
                 rt.finish(rt.stopped or "completed")
             if rt.summary is not None:  # every rank's own (logging.all_ranks shows them all): replicas agree
-                log.info("done: %s at step %d, model digest %s, %s samples/s", rt.summary["status"],
-                         rt.summary["global_step"], rt.summary["model_digest"], rt.summary["samples_per_second"])
+                log.info(
+                    "done: %s at step %d, model digest %s, %s samples/s",
+                    rt.summary["status"],
+                    rt.summary["global_step"],
+                    rt.summary["model_digest"],
+                    rt.summary["samples_per_second"],
+                )
         finally:
             if self._stack is not None:
                 self._stack.close()
@@ -248,7 +254,7 @@ class Session:
         """Steps already taken in the current epoch: 0 at its start, the resumed position after a resume.
         ``enumerate(s.batches(...), s.epoch_step)`` numbers a resumed epoch's batches as the uninterrupted run did."""
         rt = self._rt
-        feed = rt.feed
+        feed = rt.feed or self._last_feed
         batch = feed.global_batch if feed is not None else None
         return rt.state.cursor // batch if batch else 0
 
@@ -275,11 +281,15 @@ class Session:
         through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
         dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
         dataset (a stream) is sharded over the ranks and resumes from its state."""
+        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # now: s.epoch_step knows it
+        self._last_feed = feed
+        return self._batches(feed)
+
+    def _batches(self, feed: Any) -> Iterator[Any]:
         from service.loop.batches import to_device
         from service.loop.stepping import Hooks, steps
 
         rt = self._rt
-        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)
         hooks = Hooks(reported=self._reported)
         for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
             yield to_device(fed.batches[0], rt.device, non_blocking=True)
