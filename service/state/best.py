@@ -21,7 +21,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.state.checkpoint_io import _fsync_dir, _write_synced, read_small, state_name
+from service.state.checkpoint_io import _fsync_dir, _write_synced, state_name
+from service.state.files import read_small
 
 BEST_NAME = "best.json"
 _MAX_BYTES = 16 * 1024
