@@ -29,7 +29,10 @@ _MAX_BYTES = 16 * 1024
 
 
 class BestMetricError(ValueError):
-    """``checkpoint.best.metric`` names no result the evaluation reports."""
+    """``checkpoint.best.metric`` names no result the evaluation reports: bad input, found on every rank before
+    training (exit 2, like an invalid config)."""
+
+    exit_code = 2
 
 
 class BestRecord(BaseModel):
