@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import IN_CI, REPO, child_env
 from torch import nn
 
 from service.cli import main
@@ -22,7 +26,14 @@ from service.state.best import BEST_NAME, BestMetricError, BestRule, read_best
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.checkpoint_io import FORMAT, manifest_name, state_name, write_checkpoint
 from service.state.resume import config_hash
-from service.state.weights import WeightsError, init_model, load_weights, read_weights, strip_prefixes
+from service.state.weights import (
+    WeightsError,
+    export_weights,
+    init_model,
+    load_weights,
+    read_weights,
+    strip_prefixes,
+)
 from service.tasks.shapes import UNet
 
 HASH = config_hash(JobConfig())
@@ -144,6 +155,54 @@ def test_export_bad_input_exits_2_with_a_sentence_that_names_the_fix(tmp_path, c
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.pt"))
 
 
+def require_root(why: str) -> None:
+    if os.geteuid() != 0:
+        message = f"{why} needs root (mknod)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_export_onto_a_device_leaves_the_device_and_exits_2_naming_it(tmp_path, capsys):
+    """Issue 24: `export RUN_DIR /dev/null` as root renamed its file over /dev/null. A null device of the test's own
+    (the real one is never touched) must still be that device afterwards."""
+    require_root("making a character device")
+    run_dir = run_dir_with(tmp_path, TinyGPT(), 2)
+    device = tmp_path / "null"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    for fmt in ("safetensors", "pt"):
+        assert main(["export", str(run_dir), "--format", fmt, str(device)]) == 2
+        err = capsys.readouterr().err
+        assert f"{device} is a character device, not a regular file" in err and "wrote nothing" in err, err
+        assert "name a new file" in err
+        info = os.lstat(device)
+        assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
+    with pytest.raises(WeightsError, match="is a character device"):  # the library call, not only the command
+        export_weights({"w": torch.zeros(2)}, device, "pt", {})
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and not list(tmp_path.glob(".null.*"))
+
+
+def test_export_onto_a_fifo_a_symlink_or_a_directory_leaves_each_as_it_was(tmp_path, capsys):
+    run_dir = run_dir_with(tmp_path, TinyGPT(), 2)
+    fifo, link, target, directory = tmp_path / "pipe", tmp_path / "link.pt", tmp_path / "kept.pt", tmp_path / "d"
+    os.mkfifo(fifo)
+    target.write_bytes(b"not yours")
+    link.symlink_to(target)
+    directory.mkdir()
+    cases = ((fifo, "a FIFO (named pipe)", "name a new file"),
+             (link, f"a symbolic link to {target}", f"name the file itself (export writes {target} if you pass"),
+             (directory, "a directory", f"name the file to write, e.g. {directory / 'model.safetensors'}"))  # fmt: skip
+    for out, kind, fix in cases:
+        assert main(["export", str(run_dir), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is {kind}, not a regular file" in err and "left it alone and wrote nothing" in err, err
+        assert fix in err, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and target.read_bytes() == b"not yours"
+    assert directory.is_dir() and not list(directory.iterdir())
+    assert main(["export", str(run_dir), str(target)]) == 0  # a regular file is replaced, as before
+    assert torch.load(target, weights_only=True).keys() == TinyGPT().state_dict().keys()  # .pt: the pt format
+
+
 # --- init_from --------------------------------------------------------------------------------------------------
 
 
@@ -230,6 +289,54 @@ def test_init_from_refuses_a_pickle_that_holds_code_and_says_how_to_convert_it(t
     (tmp_path / "text.pt").write_text("hello, not weights")
     with pytest.raises(WeightsError, match="neither a torch file nor a safetensors file"):
         read_weights(tmp_path / "text.pt")
+
+
+# Reads each file named on its command line with read_weights; prints, per file, the message and the seconds, and
+# how much this process's peak RSS grew over all of them (from after torch's import).
+_READ_IN_BOUNDED_MEMORY = """
+import json, resource, sys, time
+from pathlib import Path
+from service.state.weights import WeightsError, read_weights
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+results = []
+for name in sys.argv[1:]:
+    started = time.monotonic()
+    try:
+        message = f"loaded {len(read_weights(Path(name)))} tensors"
+    except WeightsError as exc:
+        message = str(exc)
+    results.append([message, time.monotonic() - started])
+grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps([results, grew]))
+"""
+
+
+def test_a_huge_file_that_holds_no_weights_is_refused_by_its_first_bytes_in_bounded_memory(tmp_path):
+    """Issue 24: 1.5 GiB of zeros as init_from was read whole (on every rank) before it was refused: 1.6 GB of
+    peak RSS and 6 to 14 s each. Sparse files here, so the disk holds none of it."""
+    heads = {"zeros": (b"", "is neither a torch file nor a safetensors file"),
+             "zip": (b"PK\x03\x04", "is not a readable torch checkpoint (PytorchStreamReader failed"),
+             "pickle": (b"\x80\x02", "Refused to load"),
+             "safetensors": ((2**40).to_bytes(8, "little") + b"{", "is not a readable safetensors file")}  # fmt: skip
+    paths = []
+    for name, (head, _) in heads.items():
+        path = tmp_path / f"{name}.pt"
+        with open(path, "wb") as file:
+            file.write(head)
+            file.truncate(int(1.5 * 2**30))
+        paths.append(str(path))
+    real = tmp_path / "real.pt"
+    torch.save(UNet(width=2).state_dict(), real)  # and a real one still loads, through the same process
+    done = subprocess.run([sys.executable, "-c", _READ_IN_BOUNDED_MEMORY, *paths, str(real)], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results, grew = json.loads(done.stdout.splitlines()[-1])
+    assert grew < 100 * 2**20, grew  # the old code: the file's size, 1.6 GB; now under 3 MB
+    for (name, (_, needle)), (message, seconds) in zip(heads.items(), results, strict=False):
+        assert needle in message, (name, message)
+        assert seconds < 2, (name, seconds)  # the old code: 6 to 14 s
+    assert "first bytes are b'\\x00\\x00" in results[0][0] and f"header length {2**40} is past" in results[3][0]
+    assert results[-1][0] == f"loaded {len(UNet(width=2).state_dict())} tensors", results[-1]
 
 
 def test_config_init_from_takes_a_path_or_a_mapping_and_best_needs_a_mode():

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from service.errors import buffer_hint
+from service.errors import ddp_hint
 from service.loop.batches import BatchError, leading_size, require_tensors, tensors
 from service.tasks.base import Task
 
@@ -57,7 +57,7 @@ class TaskStep:
                 )
             return task.loss_fn(output, targets)  # type: ignore[misc]
         except RuntimeError as exc:
-            raise buffer_hint(exc) from exc
+            raise ddp_hint(exc) from exc
 
     def _checked_loss(self, model: nn.Module, batch: Any) -> Tensor:
         """The first step's loss, checked; then :attr:`loss` is the plain call."""
@@ -113,7 +113,7 @@ class TaskStep:
                 return loss * 0 if isinstance(loss, Tensor) else torch.zeros(())
             output = model(self._pair(batch)[0])
         except RuntimeError as exc:
-            raise buffer_hint(exc) from exc
+            raise ddp_hint(exc) from exc
         parts = [tensor.float().sum() for tensor in tensors(output) if tensor.requires_grad]
         return torch.stack(parts).sum() * 0 if parts else torch.zeros(())
 
