@@ -279,8 +279,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     kept = EarlySignals()
     handler = kept.handler(raise_signalled)
     previous = {sig: signal.signal(sig, handler) for sig in early}
-    held.release()  # a signal since the command line's first line reaches the handler above now
     try:
+        held.release()  # a signal since the command line's first line reaches the handler above now
         return _launch(argv, environ, previous, kept)
     except Signalled as exc:
         log.warning("launch: got %s before torchrun's agent started; no worker ran", exc.sigval.name)
