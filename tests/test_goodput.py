@@ -231,7 +231,7 @@ def test_reading_the_ledger_takes_memory_that_does_not_grow_with_its_lines_and_a
     assert fold(kept[:1]) == fold([last]) and sink.earlier == [last]
 
 
-def test_a_fifo_at_the_ledger_or_the_hang_record_is_refused_with_a_warning_never_waited_on(tmp_path, caplog):
+def test_a_fifo_at_the_ledger_or_the_hang_record_is_refused_with_a_warning_never_waited_on(tmp_path, caplog, capsys):
     """Issue 24: both were opened with a plain open(): a FIFO planted there blocked every start forever."""
     import threading
 
@@ -263,6 +263,10 @@ def test_a_fifo_at_the_ledger_or_the_hang_record_is_refused_with_a_warning_never
     assert f"the hang record {tmp_path / HANGS} is not written: {HANGS} is a FIFO" in text
     assert f"the hang record {tmp_path / HANGS} cannot be read: {HANGS} is a FIFO" in text
     assert all(stat.S_ISFIFO(os.lstat(tmp_path / name).st_mode) for name in (LEDGER, HANGS))
+    from service.cli import main
+
+    assert main(["goodput", str(tmp_path)]) == 2  # the report command says what it found there
+    assert f"{tmp_path / LEDGER} is a FIFO (named pipe), not a ledger" in capsys.readouterr().err
 
 
 # -- rank 0's sink -------------------------------------------------------------------------------------
