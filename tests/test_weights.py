@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from torch import nn
 
 from service.cli import main
 from service.config import ConfigError, JobConfig, load_config
+from service.state import checkpoint as checkpoint_module
 from service.state.best import BEST_NAME, BestMetricError, BestRule, read_best
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.checkpoint_io import FORMAT, manifest_name, state_name, write_checkpoint
@@ -262,6 +264,15 @@ def test_init_from_names_missing_and_unexpected_keys_with_counts_and_strict_fals
     assert all(torch.equal(after[k], before[k]) for k in dropped)  # kept as the task built them
     assert all(torch.equal(after[k], v) for k, v in weights.items() if k in after)
 
+    fresh = UNet(width=2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    every_key_and_one_more = {**source.state_dict(), "extra.weight": torch.zeros(3)}
+    with pytest.raises(WeightsError) as caught:  # strict: an unexpected key alone is refused too
+        load_weights(fresh, every_key_and_one_more, "more.pt")
+    assert "1 (extra.weight) keys of the file are not in the model" in str(caught.value)
+    assert "keys of the model are not in the file" not in str(caught.value)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing loaded
+
     with pytest.raises(WeightsError, match=r"differ in shape \(enc1.0.weight \(4, 1, 3, 3\) in the file"):
         load_weights(UNet(width=2), UNet(width=4).state_dict(), "other.pt", strict=False)
     with pytest.raises(WeightsError, match="none of its 1 keys"):
@@ -388,6 +399,55 @@ def test_best_saves_the_evaluated_step_when_no_periodic_save_did_and_keeps_one_t
     saver.save(5, state)  # the end of the run: step 5 is on disk already
     saver.close()
     assert len(calls) == 1 and read_best(directory).step == 5 and (directory / manifest_name(5)).exists()
+
+
+def test_best_json_waits_for_the_background_save_of_its_step_and_the_step_is_written_once(tmp_path, monkeypatch):
+    """checkpoint.async: step 2's periodic save is still being written when its evaluation makes it the best. The
+    pointer must not name it before it is on disk, and the evaluation must not write it a second time."""
+    directory = tmp_path / "checkpoints"
+    real_write = checkpoint_module.write_checkpoint
+    writes: list[int] = []
+    writing, release = threading.Event(), threading.Event()
+
+    def held_write(where, step, *args, **kwargs):
+        writes.append(step)
+        if len(writes) == 1:  # the background save: held open until the test lets it finish
+            writing.set()
+            assert release.wait(30), "the test never released the background write"
+        return real_write(where, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", held_write)
+    saver = Rank0Checkpointer(directory, every_steps=2, keep=2, config_hash=HASH, on_error="stop", async_save=True,
+                              best_rule=BestRule("loss", "min"))  # fmt: skip
+    try:
+        saver.maybe_save(2, lambda: small_state(2))
+        assert writing.wait(10)  # the writer thread is inside its write of step 2
+        evaluation = threading.Thread(target=saver.on_eval, args=(2, {"loss": 0.5}, lambda: small_state(2)))
+        evaluation.start()
+        evaluation.join(0.5)
+        assert evaluation.is_alive()  # it waits for that save
+        assert not (directory / BEST_NAME).exists() and not (directory / manifest_name(2)).exists()
+    finally:
+        release.set()
+    evaluation.join(10)
+    saver.close()
+    assert not evaluation.is_alive() and read_best(directory).step == 2 and saver.best.step == 2
+    assert (directory / manifest_name(2)).exists() and (directory / state_name(2)).exists()
+    assert writes == [2], "the best step was written again instead of waiting for its background save"
+
+
+@pytest.mark.parametrize(("mode", "worst"), [("min", float("-inf")), ("max", float("inf"))])
+def test_an_infinite_or_nan_metric_never_becomes_the_best(tmp_path, mode, worst):
+    """An eval that diverged (inf, or nan) is no improvement, however the metric ranks: the best stays a real one."""
+    rule = BestRule("loss", mode)
+    assert not rule.improves(worst, None) and not rule.improves(float("nan"), None) and rule.improves(0.5, None)
+    directory = tmp_path / "checkpoints"
+    saver = Rank0Checkpointer(directory, 0, 2, HASH, "stop", False, best_rule=rule)
+    for step, value in ((2, worst), (4, 0.5), (6, worst), (8, float("nan"))):
+        saver.on_eval(step, {"loss": value}, lambda step=step: small_state(step))
+    saver.close()
+    assert read_best(directory).step == 4 and saver.best.value == 0.5
+    assert sorted(path.name for path in directory.glob("step-*.json")) == [manifest_name(4)]  # nothing else saved
 
 
 def test_an_unknown_best_metric_fails_on_every_rank_naming_the_metrics_that_exist(tmp_path):
