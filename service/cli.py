@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from service import early
 from service.config import ConfigError, JobConfig, config_as_yaml, load_config
 from service.ops import export as weights_export
 from service.ops import goodput as goodput_report
@@ -47,12 +48,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     handlers stay installed after it returns, so a signal in the last moment before the exit (the agent's SIGTERM
     once a peer exited 75) only sets a flag and cannot kill the process with a signal's exit status."""
     parser = _parser()
-    args, rest = parser.parse_known_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except SystemExit:
+        early.release()
+        raise
+    if args.command not in ("train", "launch"):
+        early.release()  # those two release once their own handlers are in (a signal then reaches them)
     env = os.environ if env is None else env
     if args.command == "launch":
         from service.ops.launcher import main as launch
 
-        return launch(rest, env)
+        return launch(rest, env)  # it releases the held signals once its own handlers are in
     if args.command == "doctor":
         from service.ops.doctor import main as doctor
 
@@ -68,6 +75,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     # First thing for train: a preemption during start-up (torch loading, the lock, the rendezvous, the resume)
     # is kept until the loop's first agreement, instead of killing the process before it writes any summary.
     preemption = Preemption() if args.command == "train" else None
+    early.release()  # a signal held since the first line goes to train's handler now (or has its default effect)
     try:
         return _command(args, env, preemption)
     finally:
@@ -108,13 +116,14 @@ def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -
 
 
 def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
+    from service.state.best import BestMetricError
     from service.state.consistency import ConfigMismatchError
     from service.state.resume import ResumeError
     from service.state.weights import WeightsError
 
     try:
         return _train_in_group(config, world, preemption, terminal)
-    except (ConfigMismatchError, ResumeError, WeightsError) as exc:  # at start, on every rank: no traceback; exit 2
+    except (ConfigMismatchError, ResumeError, WeightsError, BestMetricError) as exc:  # at start, every rank: exit 2
         log.error("%s", exc)
         return exc.exit_code
 

@@ -12,8 +12,8 @@ SERVICE = Path(__file__).resolve().parent.parent / "service"
 
 # Lower layers first; a module may import its own layer and those below it, never one above.
 LAYERS = ["base", "world", "state", "telemetry", "loop", "ops", "entry"]
-BASE = {"service", "service.config", "service.config_yaml", "service.errors"}
-ENTRY = {"service.cli", "service.__main__"}
+BASE = {"service", "service.config", "service.config_yaml", "service.errors", "service.early"}
+ENTRY = {"service.cli", "service.__main__", "service.entry"}
 HANDLERS = ("service.rendezvous.native", "service.rendezvous.dynamic")
 RDZV_TOP = {"service.rendezvous.factory", "service.rendezvous.plugin", "service.rendezvous.admin"}
 # The root package names the public API of a script's own loop (service.Session, Carry, Preempted), loaded lazily

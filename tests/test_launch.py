@@ -297,6 +297,15 @@ def test_the_agent_removes_the_snapshots_of_a_worker_killed_on_its_last_attempt(
     assert not areas[0].exists() and "removed this node's in-memory snapshots" in watcher.text()
 
 
+def wait_for_handler(proc: subprocess.Popen, timeout: float = 30.0) -> float:
+    """``time.monotonic()`` once ``proc`` catches SIGTERM."""
+    deadline = time.monotonic() + timeout
+    while not catches(proc.pid, signal.SIGTERM):
+        assert time.monotonic() < deadline and proc.poll() is None, "no SIGTERM handler"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
 @pytest.mark.e2e
 def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path, cpu_burner):
     """#24.11: SIGTERM at a random moment of the first 5 s of `ddp-service launch`, a CPU burner beside it and three
@@ -314,7 +323,12 @@ def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path, cpu
             run_dir = tmp_path / f"run{batch}-{index}"
             proc, watcher = start("--nproc-per-node=1", "--set", f"run_dir={run_dir}", "--set", "train.max_steps=3",
                                   "--set", "task_options.image_size=16", "--set", "metrics.goodput=false")  # fmt: skip
-            runs.append((proc, watcher, run_dir, time.monotonic() + rng.uniform(0.0, 5.0)))
+            runs.append((proc, watcher, run_dir, rng.uniform(0.0, 5.0)))
+        # Each start's 5 s count from the moment it can catch a signal at all: its first line (service.entry), after
+        # the interpreter's own start-up, before which no Python program can.
+        ready = [wait_for_handler(proc) for proc, *_ in runs]
+        runs = [(proc, watcher, run_dir, at + delay)
+                for (proc, watcher, run_dir, delay), at in zip(runs, ready, strict=True)]  # fmt: skip
         signalled: dict[int, float] = {}
         for index, (proc, _, _, when) in sorted(enumerate(runs), key=lambda item: item[1][3]):
             time.sleep(max(0.0, when - time.monotonic()))

@@ -126,7 +126,8 @@ def test_a_rank_looping_in_its_forward_is_named_alone_and_a_last_attempt_leaves_
     assert done.returncode != 0, text[-4000:]
     reports = re.findall(r"\[rank (\d)\] ERROR hang: .*?: (rank\(s\) [\d, ]+ behind|no rank behind the others)", text)
     assert reports and all(named == "rank(s) 1 behind" for _, named in reports), (reports, text[-4000:])
-    assert "rank 1: 5 steps done, in forward" in text and "rank 0: 5 steps done, in backward" in text, text[-4000:]
+    # Rank 0 waits in the first SyncBatchNorm all-reduce of its forward (a collective entered), rank 1 never got there.
+    assert "rank 1: 5 steps done, in forward," in text and "rank 0: 5 steps done, in forward" in text, text[-4000:]
     assert list((shm / f"ddp-service-{os.getuid()}").iterdir()) == [], "the snapshots outlived the job"
 
 

@@ -1,0 +1,54 @@
+"""The program: ``ddp-service`` and ``python -m service``. The stop signals are held from its first line
+(:mod:`service.early`), then the command runs, then a quick exit once torch is loaded and nothing is left to
+wait for.
+
+With torch (and the ``torch._dynamo`` that DDP imports) loaded, tearing the
+interpreter down takes about a second of CPU: every worker of every start paid
+it after its summary was written, and a worker whose peer died paid it before
+its agent could restart the group. When ``main`` returned or raised (the job
+is closed, its lock released, its files and logs flushed; ``@record`` wrote
+torchrun's error file) and no child process or non-daemon thread is left,
+there is nothing for that teardown to finish, so the process leaves at once
+with the same exit code, after the traceback Python would print. Anything else
+(a live child or thread, no torch, ``SystemExit``) exits the normal way. The
+preemption handlers stay installed to the end: a SIGTERM after ``main`` (an
+agent stopping the group once a peer exited 75) only sets their flag.
+"""
+
+from __future__ import annotations
+
+from service import early
+
+
+def main() -> None:
+    """Hold the stop signals, import and run the command (``service.cli``), and leave."""
+    early.hold()  # before the imports (a second or more): a SIGTERM now is kept for the command's own handlers
+    import logging
+    import multiprocessing
+    import os
+    import sys
+    import threading
+    import traceback
+
+    from service.cli import main as command
+
+    def nothing_left() -> bool:
+        threads = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+        return "torch" in sys.modules and not threads and not multiprocessing.active_children()
+
+    def leave(code: int) -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    try:
+        code = command(handlers_until_exit=True)
+    except Exception:
+        if not nothing_left():
+            raise
+        traceback.print_exc()
+        leave(1)
+    if isinstance(code, int) and nothing_left():
+        leave(code)
+    sys.exit(code)
