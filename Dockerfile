@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The ddp-service training image: torchrun (under dumb-init) runs `-m service train` (k8s/README.md).
+# The ddp-service training image: `ddp-service launch` (under dumb-init) runs the job (k8s/README.md).
 #
 # The base is the CUDA PyTorch image whose torch is the one the test suite runs (2.13): the same tag that
 # Kubeflow Trainer's own torch-distributed runtime uses. Pinned by tag; pin it by digest too once your
@@ -47,11 +47,13 @@ ENV PYTHONUNBUFFERED=1 \
 # outside, by the stall and straggler alerts on the per-rank metrics (monitoring/rules.yml).
 HEALTHCHECK NONE
 
-# The kubelet's SIGTERM goes to PID 1 = dumb-init, which forwards it to torchrun only (--single-child) and
-# reaps orphans. torchrun sends it on to its workers, which save a checkpoint and exit 75 (preempted), and
-# SIGKILLs them after --shutdown-timeout. A bare torchrun as PID 1 would ignore SIGTERM until its agent
-# installs its handlers (the kernel drops default-action signals to PID 1), e.g. during a rendezvous.
+# The kubelet's SIGTERM goes to PID 1 = dumb-init, which forwards it to `ddp-service launch` only
+# (--single-child) and reaps orphans. launch runs torchrun's agent in its own process and handles SIGTERM from
+# its first moment; the agent sends it on to the workers, which save a checkpoint and exit 75, and SIGKILLs them
+# after --shutdown-timeout. launch then exits 75 (preempted), 0 (completed), 2 (bad input) or 1 (failed), and
+# dumb-init with it: the pod's exit code says how the job ended (k8s/README.md, "Exit codes"). A bare torchrun
+# would exit 1 on a preemption, and as PID 1 would miss a SIGTERM before its agent installs its handlers.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["dumb-init", "--single-child", "--", "torchrun"]
-# `docker run IMAGE` trains the built-in demo on one process; Kubernetes passes its own torchrun arguments.
-CMD ["--standalone", "--nproc-per-node=1", "-m", "service", "train"]
+ENTRYPOINT ["dumb-init", "--single-child", "--", "ddp-service", "launch"]
+# `docker run IMAGE` trains the built-in demo on one process; Kubernetes passes its own options and job file.
+CMD ["--nproc-per-node=1"]

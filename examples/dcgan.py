@@ -229,7 +229,7 @@ if opt.dry_run:
     opt.niter = 1
 
 for epoch in s.epochs():
-    for i, data in enumerate(s.batches(dataset, opt.batchSize), 0):
+    for i, data in enumerate(s.batches(dataset, opt.batchSize), s.epoch_step):
         ############################
         # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
         ###########################

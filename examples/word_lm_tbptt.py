@@ -245,7 +245,7 @@ try:
         # Save the model if the validation loss is the best we've seen so far.
         if not best_val_loss or val_loss < best_val_loss:
             with open(f'{args.save}.{s.rank}', 'wb') as f:
-                torch.save(model, f)
+                torch.save(s.unwrap(model), f)
             best_val_loss = val_loss
         else:
             # Anneal the learning rate if no improvement has been seen in the validation dataset.

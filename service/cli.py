@@ -116,13 +116,14 @@ def train_command(config: JobConfig, world: WorldInfo, preemption: Preemption) -
 
 
 def _train(config: JobConfig, world: WorldInfo, preemption: Preemption, terminal: bool) -> int:
+    from service.state.best import BestMetricError
     from service.state.consistency import ConfigMismatchError
     from service.state.resume import ResumeError
     from service.state.weights import WeightsError
 
     try:
         return _train_in_group(config, world, preemption, terminal)
-    except (ConfigMismatchError, ResumeError, WeightsError) as exc:  # at start, on every rank: no traceback; exit 2
+    except (ConfigMismatchError, ResumeError, WeightsError, BestMetricError) as exc:  # at start, every rank: exit 2
         log.error("%s", exc)
         return exc.exit_code
 

@@ -1,4 +1,5 @@
-"""Errors that come with the fix: the seed's in-place autograd error under DDP, and DDP's buffer broadcast."""
+"""Errors that come with the fix: the seed's in-place autograd error under DDP, DDP's buffer broadcast, and DDP's
+reduction that never finished because the loss left parameters unused."""
 
 from __future__ import annotations
 
@@ -48,29 +49,30 @@ class BufferBroadcastError(RuntimeError):
     """Raised in place of torch's overlapping-memory error from DDP's buffer broadcast, with the switch."""
 
 
-def buffer_hint(exc: RuntimeError) -> RuntimeError:
-    """``exc`` itself, or a :class:`BufferBroadcastError` when it is the overlapping-buffer error."""
-    if SHARED_MEMORY_MARKER in str(exc):
-        return BufferBroadcastError(f"{exc}\n\n{BUFFER_HINT}")
-    return exc
-
-
 UNUSED_MARKER = "Expected to have finished reduction in the prior iteration"
 
 UNUSED_HINT = (
-    "DDP expected every parameter of the model to get a gradient in the last backward, and some did not: the "
-    "model has parameters the loss does not use (a branch not taken, a head left out). Set "
-    "`ddp.find_unused_parameters: true` (--set ddp.find_unused_parameters=true): DDP then finds them at each step, "
-    "at the cost of a walk over the autograd graph per step. Or make every parameter take part in the loss."
+    "Some parameters of this model got no gradient in the previous step: the loss did not use them (a branch or "
+    "head the forward skipped, a layer built but never called, an output left out of the loss). DDP waits for "
+    "every parameter's gradient before it reduces them, so that step's reduction never finished. If the model "
+    "leaves parameters unused on purpose, set `ddp.find_unused_parameters: true` (--set "
+    "ddp.find_unused_parameters=true): DDP then walks the autograd graph after every forward to find them, which "
+    "costs time at each step (more the larger the model). Otherwise use every parameter in the loss, freeze the "
+    "unused ones (requires_grad_(False)) or remove them from the model."
 )
 
 
 class UnusedParametersError(RuntimeError):
-    """Raised in place of DDP's "Expected to have finished reduction" error, naming ddp.find_unused_parameters."""
+    """Raised in place of torch's unfinished-reduction error from DDP, naming ``ddp.find_unused_parameters``."""
 
 
 def ddp_hint(exc: RuntimeError) -> RuntimeError:
-    """``exc`` itself, or the error with the config switch that fixes it (the buffer broadcast, unused parameters)."""
-    if UNUSED_MARKER in str(exc):
+    """``exc`` itself, or the error that names the config key that fixes it: a :class:`BufferBroadcastError` for
+    the overlapping-buffer error of DDP's buffer broadcast, an :class:`UnusedParametersError` for DDP's
+    unfinished reduction (parameters the loss did not use). Raise it ``from exc``."""
+    text = str(exc)
+    if SHARED_MEMORY_MARKER in text:
+        return BufferBroadcastError(f"{exc}\n\n{BUFFER_HINT}")
+    if UNUSED_MARKER in text:
         return UnusedParametersError(f"{exc}\n\n{UNUSED_HINT}")
-    return buffer_hint(exc)
+    return exc

@@ -312,3 +312,24 @@ def test_resume_skips_a_planted_fifo_and_falls_back_to_the_previous_checkpoint(t
     assert f"skipping checkpoint {checkpoints / state_name(2)}: {state_name(2)} is a FIFO" in output, output[-3000:]
     assert f"resuming from {checkpoints / state_name(1)} (step 1" in output and "done: step 3" in output
     assert (checkpoints / state_name(2)).is_file()  # saved again over the FIFO, atomically
+
+
+@pytest.mark.e2e
+def test_an_unknown_best_metric_exits_2_on_every_rank_naming_the_metrics_that_exist(tmp_path):
+    """Issue 24: `checkpoint.best` with a metric the evaluation does not report exited 1 with a traceback. Under
+    launch (torchrun's agent, 2 workers): each worker logs the message alone, before any step, and launch exits 2."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2"]
+    for override in (*QUICK, f"run_dir={run_dir}", "task_options.image_size=16", "train.max_steps=2",
+                     "checkpoint.best={metric: acc, mode: max}"):  # fmt: skip
+        cmd += ["--set", override]
+    done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-4000:]
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] ERROR checkpoint.best.metric is 'acc', but the evaluation reports only dice, loss. "
+            "Set checkpoint.best.metric to one of those (e.g. --set checkpoint.best.metric=dice)"
+        ) in output, output
+    assert "Traceback" not in output and "launch: exit 2 (bad input" in output, output[-4000:]
+    assert " INFO step " not in output and not (run_dir / "checkpoints").exists()

@@ -4,7 +4,12 @@ a full tmpfs as run_dir, a busy metrics port and a small tmpfs as /dev/shm."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,3 +141,46 @@ def test_dev_shm_without_room_for_two_snapshots_fails_naming_both_sizes_and_the_
     assert check_shm(config, 2, None, shm=shm, snapshot=100 * 1024).status == "ok"
     off = load_config(None, ["data.num_workers=0", f"checkpoint.snapshot_dir={shm}", "checkpoint.snapshot_every=0"])
     assert check_shm(off, 2, None, shm=shm, snapshot=600 * 1024).status == "ok"
+
+
+def test_stale_snapshot_areas_are_listed_with_their_size_and_the_command_and_none_is_removed(tmp_path, capsys):
+    """Issue 24: an area whose agent is gone (the hang watchdog's os._exit, a SIGKILLed agent) stayed in /dev/shm
+    until reboot and nothing named it. Areas made by the real snapshot code, each with 3 MiB of state."""
+    from service.state.snapshot import MARKER, node_area
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = tmp_path / "shm"
+    host = socket.gethostname()
+    areas = {
+        "live": node_area(str(root), str(tmp_path / "a"), "job-a", agent=os.getpid()),
+        "dead": node_area(str(root), str(tmp_path / "b"), "job-b", agent=dead.pid),
+        "reused": node_area(str(root), str(tmp_path / "c"), "job-c", agent=os.getpid()),
+        "other host": node_area(str(root), str(tmp_path / "d"), "job-d", host=f"not-{host}", agent=dead.pid),
+    }
+    for area in areas.values():
+        assert area is not None
+        area.prepare()
+        (area.path / "step-00000004.pt").write_bytes(b"\0" * 3 * 2**20)
+    day_ago = time.time() - 86400  # its marker is older than the process that has its agent's pid now
+    os.utime(areas["reused"].path / MARKER, (day_ago, day_ago))  # type: ignore[union-attr]
+    code, checks = doctor(capsys, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"checkpoint.snapshot_dir={root}")
+    check = checks["snapshot areas"]
+    assert code == 0 and check["status"] == "warn", check
+    stale = {name: areas[name].path for name in ("dead", "reused")}  # type: ignore[union-attr]
+    detail = check["detail"]
+    assert f"2 stale in-memory snapshot area(s) under {root / f'ddp-service-{os.getuid()}'} hold 6.0 MiB" in detail
+    assert f"{stale['dead']}: 3.0 MiB, its agent process {dead.pid} is gone (run_dir {tmp_path / 'b'}" in detail
+    assert f"{stale['reused']}: 3.0 MiB, its agent process {os.getpid()} is gone; that pid is another" in detail
+    assert f"`rm -rf {' '.join(sorted(str(path) for path in stale.values()))}`" in detail, detail
+    assert str(areas["live"].path) not in detail and str(areas["other host"].path) not in detail  # type: ignore[union-attr]
+    assert all(area.path.is_dir() for area in areas.values())  # type: ignore[union-attr]  # nothing removed
+    for path in stale.values():
+        shutil.rmtree(path)
+    code, checks = doctor(capsys, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"checkpoint.snapshot_dir={root}")
+    assert checks["snapshot areas"] == {
+        "name": "snapshot areas",
+        "status": "ok",
+        "fix": None,
+        "detail": f"2 under {root / f'ddp-service-{os.getuid()}'}, none stale",
+    }

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, child_env, kill_group, read_summary, require_tool
+from conftest import QUICK, REPO, child_env, kill_group, read_summary, require_tool, run_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from procs import worker_pids
@@ -25,8 +26,10 @@ from service.telemetry.goodput import (
     GoodputSink,
     Record,
     StartTimes,
+    compact,
     fold,
     read_ledger,
+    read_starts,
 )
 
 T0 = 1.8e9  # a Unix time
@@ -156,6 +159,116 @@ def test_the_reader_returns_exactly_the_valid_records_among_any_bytes(tmp_path_f
     assert read_ledger(path) == [line for line in lines if isinstance(line, Record)]
 
 
+@st.composite
+def ledgers(draw):
+    """A ledger's lines: a few starts, each with several records (later ones longer), in any order, among lines
+    that are no records; and a torn tail."""
+    lines: list[Record | bytes] = []
+    for pid in range(1, draw(st.integers(1, 4)) + 1):
+        start = T0 + draw(times)
+        spans = sorted(draw(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=5)))
+        for index, span in enumerate(spans):
+            steps = index * 3
+            lines.append(Record(kind="progress", pid=pid, process_start=start, time=start + span, restart_count=0,
+                                world_size=2, first_step=start if steps else None, steps=steps, step=steps,
+                                productive=span * draw(st.floats(0, 0.9)), resumed_step=draw(st.none() | st.just(0)),
+                                status=draw(st.sampled_from(["running", "preempted"]))))  # fmt: skip
+    lines += draw(st.lists(st.binary(max_size=40).filter(lambda b: b"\n" not in b), max_size=3))
+    return draw(st.permutations(lines)), draw(st.binary(max_size=30).filter(lambda b: b"\n" not in b))
+
+
+@settings(max_examples=150, deadline=None)
+@given(ledgers())
+def test_the_streamed_and_the_compacted_ledger_fold_as_the_whole_one(tmp_path_factory, ledger):
+    """Issue 24: each start reads the last record of each start, streamed, and compacts the ledger to those; the
+    fold of either is the fold of every record of the whole ledger, to the bit."""
+    lines, torn = ledger
+    path = tmp_path_factory.mktemp("ledger") / LEDGER
+    encoded = [line.model_dump_json().encode() if isinstance(line, Record) else line for line in lines]
+    path.write_bytes(b"".join(line + b"\n" for line in encoded) + torn)
+    whole = fold([line for line in lines if isinstance(line, Record)])
+    assert fold(read_ledger(path)) == whole
+    starts = read_starts(path)
+    assert fold(starts) == whole and len(starts) == len({r.start_id for r in lines if isinstance(r, Record)})
+    compact(path, starts)
+    assert len(path.read_bytes().splitlines()) == len(starts) and set(read_ledger(path)) == set(starts)
+    assert fold(read_ledger(path)) == whole and read_starts(path) == starts
+
+
+def ledger_of_one_start(path: Path, lines: int) -> Record:
+    """``lines`` progress records of one start (one every 10 s, as the sink writes them); returns the last."""
+    template = record(end=T0 + 10, first_step=T0 + 1, steps=1, step=1, productive=1.0).model_dump_json()
+    head, _, tail = template.partition(f'"time":{T0 + 10}')
+    with open(path, "w") as file:
+        for index in range(lines):
+            file.write(f'{head}"time":{T0 + 10 * (index + 1)}{tail}\n')
+    return Record.model_validate_json(f'{head}"time":{T0 + 10 * lines}{tail}')
+
+
+def test_reading_the_ledger_takes_memory_that_does_not_grow_with_its_lines_and_a_start_compacts_it(tmp_path):
+    """Issue 24: a 35-day ledger (300,000 records) cost rank 0 about 1 GB at each start: it was read whole. Read
+    streamed, the peak is the same for 5,000 and 50,000 lines of one start; and the sink compacts it once."""
+    import tracemalloc
+
+    peaks = {}
+    for lines in (5_000, 50_000):
+        path = tmp_path / str(lines) / LEDGER
+        path.parent.mkdir()
+        last = ledger_of_one_start(path, lines)
+        tracemalloc.start()
+        try:
+            starts = read_starts(path)
+            peaks[lines] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert starts == [last]
+    assert peaks[50_000] < peaks[5_000] + 64 * 1024, peaks  # the old reader: about 50 MB more (linear)
+    assert peaks[50_000] < 1 << 20, peaks
+    sink = GoodputSink(path.parent, 1e9, StartTimes(time.time() - 1), 1, 2)
+    sink.close()
+    kept = read_ledger(path)
+    assert kept[0] == last and [r.pid for r in kept[1:]] == [os.getpid()] * 2 and len(kept) == 3  # start, end
+    assert fold(kept[:1]) == fold([last]) and sink.earlier == [last]
+
+
+def test_a_fifo_at_the_ledger_or_the_hang_record_is_refused_with_a_warning_never_waited_on(tmp_path, caplog, capsys):
+    """Issue 24: both were opened with a plain open(): a FIFO planted there blocked every start forever."""
+    import threading
+
+    from service.telemetry.hangs import FILE as HANGS
+    from service.telemetry.hangs import append_hang, read_hangs, tally
+
+    for name in (LEDGER, HANGS):
+        os.mkfifo(tmp_path / name)
+    done: list[object] = []
+
+    def use_both() -> None:
+        sink = GoodputSink(tmp_path, 0.0, StartTimes(time.time() - 1), 0, 2)
+        sink.on_step(8, 0.01, 0.0)
+        done.append(sink.finish("completed"))
+        sink.close()
+        append_hang(tmp_path / HANGS, {"rank": 0, "behind": [1], "step": 3})
+        done.append((read_hangs(tmp_path / HANGS), tally(tmp_path / HANGS, 0).count))
+
+    worker = threading.Thread(target=use_both, daemon=True)  # the old code blocks in open() for good: not joined
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "blocked on a FIFO"
+    summary, hangs = done
+    assert summary["starts"] == 1 and hangs == ([], 0)  # type: ignore[index]
+    text = caplog.text
+    assert f"the goodput ledger {tmp_path / LEDGER} cannot be read: {LEDGER} is a FIFO (named pipe)" in text
+    assert f"the goodput ledger {tmp_path / LEDGER} could not be written ({LEDGER} is a FIFO" in text
+    assert text.count("could not be written") == 1 and "remove it, and the next start writes a new ledger" in text
+    assert f"the hang record {tmp_path / HANGS} is not written: {HANGS} is a FIFO" in text
+    assert f"the hang record {tmp_path / HANGS} cannot be read: {HANGS} is a FIFO" in text
+    assert all(stat.S_ISFIFO(os.lstat(tmp_path / name).st_mode) for name in (LEDGER, HANGS))
+    from service.cli import main
+
+    assert main(["goodput", str(tmp_path)]) == 2  # the report command says what it found there
+    assert f"{tmp_path / LEDGER} is a FIFO (named pipe), not a ledger" in capsys.readouterr().err
+
+
 # -- rank 0's sink -------------------------------------------------------------------------------------
 
 
@@ -244,6 +357,30 @@ def test_the_cli_prints_the_table_and_json_and_refuses_a_missing_ledger(tmp_path
     assert json.loads(capsys.readouterr().out)["ratio"] == 0.5
     assert main(["goodput", str(tmp_path / "nope")]) == 2
     assert "metrics.goodput=true" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_job_with_fifos_at_its_ledger_and_hang_record_trains_and_its_log_names_them(tmp_path):
+    """Issue 24, end to end: 2 real processes under torchrun, metrics on (every rank reads hangs.jsonl for its hang
+    count, rank 0 the ledger). The old code blocked in open() for good; run_job's timeout fails it instead."""
+    from service.telemetry.hangs import FILE as HANGS
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in (LEDGER, HANGS):
+        os.mkfifo(run_dir / name)
+    done = run_job(run_dir, 2, "task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=16",
+                   "task_options.width=4", "train.max_steps=2", "metrics.port=auto", "logging.all_ranks=true",
+                   timeout=120)  # fmt: skip
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["global_step"] == 2 and summary["goodput"]["starts"] == 1
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] WARNING the hang record {run_dir / HANGS} cannot be read: {HANGS} is a FIFO" in done.stdout
+        )
+    assert f"[rank 0] WARNING the goodput ledger {run_dir / LEDGER} cannot be read: {LEDGER} is a FIFO" in done.stdout
+    assert f"the goodput ledger {run_dir / LEDGER} could not be written ({LEDGER} is a FIFO" in done.stdout
+    assert all(stat.S_ISFIFO(os.lstat(run_dir / name).st_mode) for name in (LEDGER, HANGS))
 
 
 # -- one real job: a SIGKILLed worker, a preemption, a rerun --------------------------------------------

@@ -69,11 +69,12 @@ def test_hadolint_is_not_silent_on_a_bad_dockerfile(tmp_path: Path) -> None:
     assert done.returncode != 0 and "DL3007" in done.stdout and "DL3025" in done.stdout, done.stdout
 
 
-def test_image_runs_torchrun_in_exec_form_as_non_root_and_stops_on_sigterm() -> None:
+def test_image_runs_ddp_service_launch_in_exec_form_as_non_root_and_stops_on_sigterm() -> None:
     text = (REPO / "Dockerfile").read_text()
     image = dockerfile_config()
-    assert image.entrypoint[-1] == "torchrun" and image.entrypoint[0] == "dumb-init", image.entrypoint
-    assert "--single-child" in image.entrypoint  # SIGTERM to torchrun alone; it forwards to its workers
+    # launch, not torchrun: its exit code says how the job ended (75 preempted, 2 bad input), torchrun's does not
+    assert image.entrypoint[-2:] == ["ddp-service", "launch"] and image.entrypoint[0] == "dumb-init", image.entrypoint
+    assert "--single-child" in image.entrypoint  # SIGTERM to launch alone; its agent forwards it to the workers
     assert image.stopsignal == "SIGTERM"
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root"), users
@@ -274,7 +275,9 @@ def test_elastic_job_runs_torchrun_on_etcd3_with_flags_that_override_the_operato
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}  # no Master: no pod-level RANK/MASTER_ADDR
     (c,) = worker["template"]["spec"]["containers"]
-    assert c["name"] == "pytorch" and "command" not in c  # the image's ENTRYPOINT runs torchrun
+    assert c["name"] == "pytorch" and "command" not in c  # the image's ENTRYPOINT runs ddp-service launch
+    assert c["args"][-3:] == ["/etc/ddp-service/config/job.yaml", "--set", "run_dir=/data/runs/$(JOB_NAME)"]
+    assert not {"-m", "--module", "service", "train"} & set(c["args"])  # launch runs `-m service train` itself
     assert arg(c, "--rdzv-backend") == "etcd3"
     assert arg(c, "--rdzv-endpoint") == "ddp-etcd-client:2379"
     assert arg(c, "--nnodes") == f"{policy['minReplicas']}:{policy['maxReplicas']}"
@@ -306,6 +309,8 @@ def test_trainjob_takes_its_size_from_pet_variables(rendered: tuple[str, list[di
     assert rjob["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
     (c,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
     assert c["name"] == "node" and "command" not in c
+    assert c["args"] == ["--shutdown-timeout=90", "/etc/ddp-service/config/job.yaml", "--set",
+                         "run_dir=/data/runs/$(JOB_NAME)"]  # fmt: skip
     # The five reserved PET_* variables are Trainer's: neither set in env nor overridden by a flag.
     for flag in ("--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port", "--rdzv-backend"):
         assert arg(c, flag) is None, flag
@@ -315,6 +320,32 @@ def test_trainjob_takes_its_size_from_pet_variables(rendered: tuple[str, list[di
     assert metrics_ports(c) == [(f"metrics-{i}", config["metrics"]["port"] + i) for i in range(nproc)]
     if overlay == "gpu":
         assert train_job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == nproc
+
+
+def test_exit_codes_restart_a_preempted_or_failed_pod_and_end_a_job_that_got_bad_input(
+    rendered: tuple[str, list[dict]],
+) -> None:
+    """k8s/README.md, "Exit codes": launch exits 0 completed, 75 preempted, 2 bad input, 1 failed.
+
+    PyTorchJob: OnFailure, never ExitCode, under which the operator retries only 130, 137, 138 and 143: a
+    preemption's 75 would fail the job. TrainJob: exit 2 fails its Job by a podFailurePolicy rule and the JobSet
+    at once; any other failure restarts the JobSet, a bounded number of times."""
+    docs = rendered[1]
+    worker = find(docs, "PyTorchJob", "ddp-elastic")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "OnFailure"
+    runtime = find(docs, "TrainingRuntime", "ddp-service-fixed")["spec"]["template"]["spec"]
+    policy = runtime["failurePolicy"]
+    assert policy["maxRestarts"] > 0
+    assert policy["rules"] == [
+        {"name": "bad-input", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    ]
+    (job,) = runtime["replicatedJobs"]
+    assert job["template"]["spec"]["backoffLimit"] == 0
+    assert job["template"]["spec"]["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]}}
+    ]
+    pod = job["template"]["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["containers"][0]["name"] == "node"
 
 
 def test_grace_chain_outlasts_torchruns_shutdown_which_outlasts_a_checkpoint_save(

@@ -150,14 +150,15 @@ def test_the_scaler_state_round_trips_exactly_through_restore():
         ({"scale": 1.0}, r"its 'scaler' entry is a mapping of \['scale'\]"),
         (b"scale", "its 'scaler' entry is a bytes"),
         ("bad-scale", r"scale=nan; it must be a positive finite float"),
+        ("zero-scale", r"scale=0.0; it must be a positive finite float"),  # every loss times 0: no gradient at all
         ("bad-tracker", r"_growth_tracker=-1; it must be a non-negative finite int"),
         ("bool", r"growth_interval=True"),
     ],
 )
 def test_a_damaged_scaler_entry_is_refused_with_the_fix(entry, message):
     good = _fp16().scaler.state_dict()  # type: ignore[union-attr]
-    damaged = {"bad-scale": {**good, "scale": float("nan")}, "bad-tracker": {**good, "_growth_tracker": -1},
-               "bool": {**good, "growth_interval": True}}  # fmt: skip
+    damaged = {"bad-scale": {**good, "scale": float("nan")}, "zero-scale": {**good, "scale": 0.0},
+               "bad-tracker": {**good, "_growth_tracker": -1}, "bool": {**good, "growth_interval": True}}  # fmt: skip
     entry = damaged[entry] if isinstance(entry, str) else entry
     with pytest.raises(PrecisionStateError, match=message) as caught:
         _fp16().load_state_dict(entry, "step-00000004.pt")

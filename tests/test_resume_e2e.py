@@ -219,21 +219,30 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
     assert sum(1 for line in trace if line["rank"] == 0) == final["global_step"]  # no step ran twice
 
 
+def learning_rates(output: str) -> dict[int, str]:
+    """step → the learning rate rank 0 logged after it (train.log_every=1), as printed."""
+    return {int(step): lr for step, lr in re.findall(r"\[rank 0\] INFO step (\d+)/\d+ .* lr ([\d.]+) ", output)}
+
+
 def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tmp_path):
     """3 ranks: the all-reduce adds 3 numbers, whose rounding depends on their order, which DDP's bucket layout
-    decides; a resumed process must reduce in the layout the uninterrupted one used (parallel.settle_buckets)."""
+    decides; a resumed process must reduce in the layout the uninterrupted one used (parallel.settle_buckets).
+    The cosine LR schedule, several steps in at the stop, goes on where it was: the same LR at every step after it."""
     # 11 steps an epoch (256 samples, 24 a step): the signal comes in epoch 0, and the resumed run crosses into
     # epoch 1 (a new permutation, eval at the boundary) before it ends.
     job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
            "data.num_workers=2")  # fmt: skip
-    run_job(tmp_path / "straight", 3, *job)
+    straight_lrs = learning_rates(run_job(tmp_path / "straight", 3, *job).stdout)
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "run"
     preempted = preempt_agent_at(run_dir, 3, 5, *job)
     stopped = preempted["stopped_at_step"]
     assert 5 <= stopped < 16 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
-    run_job(run_dir, 3, *job)
+    resumed_lrs = learning_rates(run_job(run_dir, 3, *job).stdout)
+    assert sorted(resumed_lrs) == list(range(stopped + 1, 17)) and sorted(straight_lrs) == list(range(1, 17))
+    assert straight_lrs[stopped + 1] != straight_lrs[1]  # the schedule's state at the stop is not a fresh one's
+    assert resumed_lrs == {step: straight_lrs[step] for step in resumed_lrs}, "the LR schedule did not resume"
     resumed = read_summary(run_dir)
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped
     assert resumed["model_digest"] == straight["model_digest"]

@@ -255,6 +255,23 @@ def test_a_holder_whose_lock_is_deleted_or_taken_says_so_within_a_check(tmp_path
     assert (path.read_bytes() if path.exists() else None) == before  # release leaves another's lock (or none) alone
 
 
+def test_a_lost_lock_is_noticed_within_a_check_long_before_the_next_renewal(tmp_path):
+    """The holder reads its lock back every check (0.5 s by default), not only when it renews (every 5 s): another job
+    may be writing into run_dir from the moment the lock is gone."""
+    lock = RunDirLock(tmp_path, "mine", renew=30.0, check=0.05)
+    heard: list[str] = []
+    lock.acquire()
+    try:
+        with lock.on_lost(heard.append):
+            (tmp_path / LOCK_NAME).unlink()
+            lost = time.monotonic()
+            while not heard and time.monotonic() - lost < 3:
+                time.sleep(0.01)
+        assert len(heard) == 1 and "was deleted" in heard[0], f"not noticed within 3 s of the loss: {heard}"
+    finally:
+        lock.release()
+
+
 def test_the_refusal_does_not_advise_deleting_the_lock(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": "live",
                                                   "started": time.time(), "token": "t"}))  # fmt: skip

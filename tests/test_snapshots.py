@@ -102,6 +102,11 @@ def test_snapshots_of_another_job_or_an_unsafe_area_are_never_loaded(tmp_path, w
     assert resumed.describe()["source"] == "snapshot"
     # resume=never reads only this job's lineage, in memory as on disk
     assert agree_on_checkpoint(disk, 0, 1, world_of_one, "never", "other", ours.readable()) is None
+    # a disk checkpoint of the same step holds the same state: the snapshot is read, from memory, and the summary
+    # says so (the disk one wins only when newer)
+    write_checkpoint(disk, 40, state_at(40), HASH, "L")
+    resumed = agree_on_checkpoint(disk, 0, 1, world_of_one, "auto", snapshots=ours.readable())
+    assert resumed is not None and (resumed.step, resumed.source, resumed.file.parent) == (40, "snapshot", ours.path)
     # a newer disk checkpoint wins over an older snapshot
     write_checkpoint(disk, 45, state_at(45), HASH, "L")
     resumed = agree_on_checkpoint(disk, 0, 1, world_of_one, "auto", snapshots=ours.readable())
@@ -161,6 +166,26 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
     assert writer.written + writer.skipped == 5 and writer.written >= 1
     writer.discard()
     assert not area.path.exists()
+
+
+def test_with_snapshot_every_three_only_every_third_step_is_snapshotted(tmp_path):
+    """checkpoint.snapshot_every=N takes the state of steps N, 2N, ... (the other tests and the real runs use 1)."""
+    writer = SnapshotWriter(area_for(tmp_path), 3, HASH, "L", cuda=False)
+    writer.preflight(torch.nn.Linear(2, 2))
+    taken: list[int] = []
+
+    def state(step: int) -> dict:
+        taken.append(step)
+        return state_at(step)
+
+    for step in range(1, 8):
+        writer.capture(step, lambda step=step: state(step))
+        deadline = time.monotonic() + 10
+        while writer.written < len(taken) and time.monotonic() < deadline:  # each one written before the next step
+            time.sleep(0.005)
+    writer.close()
+    assert taken == [3, 6] and (writer.written, writer.skipped) == (2, 0)
+    assert [manifest.step for manifest, _ in scan(writer.area.path)] == [6]
 
 
 def test_too_little_shared_memory_turns_snapshots_off_with_a_warning_naming_the_fix(small_fs, caplog):

@@ -96,6 +96,16 @@ def test_inplace_error_is_reraised_with_the_hint(tmp_path):
     assert "ddp.broadcast_buffers" in proc.stdout and "InplaceGradientError" in proc.stdout
 
 
+def test_a_parameter_the_loss_does_not_use_fails_naming_ddp_find_unused_parameters(tmp_path):
+    """Issue 24: torch's "Expected to have finished reduction in the prior iteration" came alone; the config key
+    that fixes it, and its cost, were named nowhere."""
+    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:unused_parameters", "train.max_steps=3", expect_ok=False)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "Expected to have finished reduction in the prior iteration" in proc.stdout
+    assert "UnusedParametersError" in proc.stdout and "--set ddp.find_unused_parameters=true" in proc.stdout
+    assert "costs time at each step" in proc.stdout
+
+
 def test_task_returning_wrong_type_is_named(tmp_path):
     proc = run_job(tmp_path / "run", 1, "task=bad_tasks:not_a_task", expect_ok=False)
     assert proc.returncode != 0 and "returned dict, not service.tasks.base.Task" in proc.stdout

@@ -235,10 +235,10 @@ def test_a_peer_saving_a_checkpoint_is_progress(tmp_path, caplog):
         publish_peer(store, 0, 13, CHECKPOINT, heard=clock.now)
         watchdog.check()
     assert left == [] and caplog.text.count("saving a checkpoint") == 1
-    progress.phase = CHECKPOINT  # and this rank's own save is no hang either
-    watchdog.check()
-    clock.now += 60
-    watchdog.check()
+    progress.phase = CHECKPOINT  # and this rank's own save is no hang either, however long (rank 0 is silent now)
+    for _ in range(120):  # 60 s of looks: one jump of 60 s would read as this process being stopped, not as a stall
+        clock.now += 0.5
+        watchdog.check()
     assert left == []
 
 
@@ -327,6 +327,26 @@ def test_the_watchdogs_exit_calls_on_leave_first_and_an_error_in_it_does_not_sto
         clock.now += 0.1
         watchdog.check()
     assert calls == ["on_leave"] and left == [1]
+
+
+def test_a_peer_that_went_silent_while_saving_is_not_waited_for(tmp_path, caplog):
+    """Rank 0 began a save and was then stopped or lost: its last record says checkpoint, but it is silent, so it is
+    no save in progress; this rank's stall is a hang after the timeout, naming rank 0."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store, rank=1)
+    step(progress, clock)
+    progress.phase = FORWARD  # waits for rank 0 in step 14's all-reduce
+    watchdog.check()
+    publish_peer(store, 0, 13, CHECKPOINT, heard=clock.now)  # its last word
+    looks = 0
+    with caplog.at_level(logging.WARNING):
+        while not left and looks < 200:  # 20 s of looks, four times the 5 s timeout
+            clock.now += 0.1
+            looks += 1
+            watchdog.check()
+    assert left == [1] and sink.hangs == [0] and looks in (50, 51), (left, looks)
+    assert "saving a checkpoint" not in caplog.text
+    assert "rank(s) 0 behind" in caplog.text and "rank 0: 13 steps done, in checkpoint" in caplog.text
 
 
 def test_a_stop_signal_while_stuck_with_a_silent_peer_leaves_after_the_grace_and_not_while_peers_answer(tmp_path):

@@ -9,20 +9,33 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import IN_CI, REPO, child_env
 from torch import nn
 
 from service.cli import main
 from service.config import ConfigError, JobConfig, load_config
+from service.state import checkpoint as checkpoint_module
 from service.state.best import BEST_NAME, BestMetricError, BestRule, read_best
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.checkpoint_io import FORMAT, manifest_name, state_name, write_checkpoint
 from service.state.resume import config_hash
-from service.state.weights import WeightsError, init_model, load_weights, read_weights, strip_prefixes
+from service.state.weights import (
+    WeightsError,
+    export_weights,
+    init_model,
+    load_weights,
+    read_weights,
+    strip_prefixes,
+)
 from service.tasks.shapes import UNet
 
 HASH = config_hash(JobConfig())
@@ -144,6 +157,54 @@ def test_export_bad_input_exits_2_with_a_sentence_that_names_the_fix(tmp_path, c
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.pt"))
 
 
+def require_root(why: str) -> None:
+    if os.geteuid() != 0:
+        message = f"{why} needs root (mknod)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_export_onto_a_device_leaves_the_device_and_exits_2_naming_it(tmp_path, capsys):
+    """Issue 24: `export RUN_DIR /dev/null` as root renamed its file over /dev/null. A null device of the test's own
+    (the real one is never touched) must still be that device afterwards."""
+    require_root("making a character device")
+    run_dir = run_dir_with(tmp_path, TinyGPT(), 2)
+    device = tmp_path / "null"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    for fmt in ("safetensors", "pt"):
+        assert main(["export", str(run_dir), "--format", fmt, str(device)]) == 2
+        err = capsys.readouterr().err
+        assert f"{device} is a character device, not a regular file" in err and "wrote nothing" in err, err
+        assert "name a new file" in err
+        info = os.lstat(device)
+        assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
+    with pytest.raises(WeightsError, match="is a character device"):  # the library call, not only the command
+        export_weights({"w": torch.zeros(2)}, device, "pt", {})
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and not list(tmp_path.glob(".null.*"))
+
+
+def test_export_onto_a_fifo_a_symlink_or_a_directory_leaves_each_as_it_was(tmp_path, capsys):
+    run_dir = run_dir_with(tmp_path, TinyGPT(), 2)
+    fifo, link, target, directory = tmp_path / "pipe", tmp_path / "link.pt", tmp_path / "kept.pt", tmp_path / "d"
+    os.mkfifo(fifo)
+    target.write_bytes(b"not yours")
+    link.symlink_to(target)
+    directory.mkdir()
+    cases = ((fifo, "a FIFO (named pipe)", "name a new file"),
+             (link, f"a symbolic link to {target}", f"name the file itself (export writes {target} if you pass"),
+             (directory, "a directory", f"name the file to write, e.g. {directory / 'model.safetensors'}"))  # fmt: skip
+    for out, kind, fix in cases:
+        assert main(["export", str(run_dir), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is {kind}, not a regular file" in err and "left it alone and wrote nothing" in err, err
+        assert fix in err, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and target.read_bytes() == b"not yours"
+    assert directory.is_dir() and not list(directory.iterdir())
+    assert main(["export", str(run_dir), str(target)]) == 0  # a regular file is replaced, as before
+    assert torch.load(target, weights_only=True).keys() == TinyGPT().state_dict().keys()  # .pt: the pt format
+
+
 # --- init_from --------------------------------------------------------------------------------------------------
 
 
@@ -203,6 +264,15 @@ def test_init_from_names_missing_and_unexpected_keys_with_counts_and_strict_fals
     assert all(torch.equal(after[k], before[k]) for k in dropped)  # kept as the task built them
     assert all(torch.equal(after[k], v) for k, v in weights.items() if k in after)
 
+    fresh = UNet(width=2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    every_key_and_one_more = {**source.state_dict(), "extra.weight": torch.zeros(3)}
+    with pytest.raises(WeightsError) as caught:  # strict: an unexpected key alone is refused too
+        load_weights(fresh, every_key_and_one_more, "more.pt")
+    assert "1 (extra.weight) keys of the file are not in the model" in str(caught.value)
+    assert "keys of the model are not in the file" not in str(caught.value)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing loaded
+
     with pytest.raises(WeightsError, match=r"differ in shape \(enc1.0.weight \(4, 1, 3, 3\) in the file"):
         load_weights(UNet(width=2), UNet(width=4).state_dict(), "other.pt", strict=False)
     with pytest.raises(WeightsError, match="none of its 1 keys"):
@@ -230,6 +300,54 @@ def test_init_from_refuses_a_pickle_that_holds_code_and_says_how_to_convert_it(t
     (tmp_path / "text.pt").write_text("hello, not weights")
     with pytest.raises(WeightsError, match="neither a torch file nor a safetensors file"):
         read_weights(tmp_path / "text.pt")
+
+
+# Reads each file named on its command line with read_weights; prints, per file, the message and the seconds, and
+# how much this process's peak RSS grew over all of them (from after torch's import).
+_READ_IN_BOUNDED_MEMORY = """
+import json, resource, sys, time
+from pathlib import Path
+from service.state.weights import WeightsError, read_weights
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+results = []
+for name in sys.argv[1:]:
+    started = time.monotonic()
+    try:
+        message = f"loaded {len(read_weights(Path(name)))} tensors"
+    except WeightsError as exc:
+        message = str(exc)
+    results.append([message, time.monotonic() - started])
+grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps([results, grew]))
+"""
+
+
+def test_a_huge_file_that_holds_no_weights_is_refused_by_its_first_bytes_in_bounded_memory(tmp_path):
+    """Issue 24: 1.5 GiB of zeros as init_from was read whole (on every rank) before it was refused: 1.6 GB of
+    peak RSS and 6 to 14 s each. Sparse files here, so the disk holds none of it."""
+    heads = {"zeros": (b"", "is neither a torch file nor a safetensors file"),
+             "zip": (b"PK\x03\x04", "is not a readable torch checkpoint (PytorchStreamReader failed"),
+             "pickle": (b"\x80\x02", "Refused to load"),
+             "safetensors": ((2**40).to_bytes(8, "little") + b"{", "is not a readable safetensors file")}  # fmt: skip
+    paths = []
+    for name, (head, _) in heads.items():
+        path = tmp_path / f"{name}.pt"
+        with open(path, "wb") as file:
+            file.write(head)
+            file.truncate(int(1.5 * 2**30))
+        paths.append(str(path))
+    real = tmp_path / "real.pt"
+    torch.save(UNet(width=2).state_dict(), real)  # and a real one still loads, through the same process
+    done = subprocess.run([sys.executable, "-c", _READ_IN_BOUNDED_MEMORY, *paths, str(real)], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results, grew = json.loads(done.stdout.splitlines()[-1])
+    assert grew < 100 * 2**20, grew  # the old code: the file's size, 1.6 GB; now under 3 MB
+    for (name, (_, needle)), (message, seconds) in zip(heads.items(), results, strict=False):
+        assert needle in message, (name, message)
+        assert seconds < 2, (name, seconds)  # the old code: 6 to 14 s
+    assert "first bytes are b'\\x00\\x00" in results[0][0] and f"header length {2**40} is past" in results[3][0]
+    assert results[-1][0] == f"loaded {len(UNet(width=2).state_dict())} tensors", results[-1]
 
 
 def test_config_init_from_takes_a_path_or_a_mapping_and_best_needs_a_mode():
@@ -281,6 +399,55 @@ def test_best_saves_the_evaluated_step_when_no_periodic_save_did_and_keeps_one_t
     saver.save(5, state)  # the end of the run: step 5 is on disk already
     saver.close()
     assert len(calls) == 1 and read_best(directory).step == 5 and (directory / manifest_name(5)).exists()
+
+
+def test_best_json_waits_for_the_background_save_of_its_step_and_the_step_is_written_once(tmp_path, monkeypatch):
+    """checkpoint.async: step 2's periodic save is still being written when its evaluation makes it the best. The
+    pointer must not name it before it is on disk, and the evaluation must not write it a second time."""
+    directory = tmp_path / "checkpoints"
+    real_write = checkpoint_module.write_checkpoint
+    writes: list[int] = []
+    writing, release = threading.Event(), threading.Event()
+
+    def held_write(where, step, *args, **kwargs):
+        writes.append(step)
+        if len(writes) == 1:  # the background save: held open until the test lets it finish
+            writing.set()
+            assert release.wait(30), "the test never released the background write"
+        return real_write(where, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", held_write)
+    saver = Rank0Checkpointer(directory, every_steps=2, keep=2, config_hash=HASH, on_error="stop", async_save=True,
+                              best_rule=BestRule("loss", "min"))  # fmt: skip
+    try:
+        saver.maybe_save(2, lambda: small_state(2))
+        assert writing.wait(10)  # the writer thread is inside its write of step 2
+        evaluation = threading.Thread(target=saver.on_eval, args=(2, {"loss": 0.5}, lambda: small_state(2)))
+        evaluation.start()
+        evaluation.join(0.5)
+        assert evaluation.is_alive()  # it waits for that save
+        assert not (directory / BEST_NAME).exists() and not (directory / manifest_name(2)).exists()
+    finally:
+        release.set()
+    evaluation.join(10)
+    saver.close()
+    assert not evaluation.is_alive() and read_best(directory).step == 2 and saver.best.step == 2
+    assert (directory / manifest_name(2)).exists() and (directory / state_name(2)).exists()
+    assert writes == [2], "the best step was written again instead of waiting for its background save"
+
+
+@pytest.mark.parametrize(("mode", "worst"), [("min", float("-inf")), ("max", float("inf"))])
+def test_an_infinite_or_nan_metric_never_becomes_the_best(tmp_path, mode, worst):
+    """An eval that diverged (inf, or nan) is no improvement, however the metric ranks: the best stays a real one."""
+    rule = BestRule("loss", mode)
+    assert not rule.improves(worst, None) and not rule.improves(float("nan"), None) and rule.improves(0.5, None)
+    directory = tmp_path / "checkpoints"
+    saver = Rank0Checkpointer(directory, 0, 2, HASH, "stop", False, best_rule=rule)
+    for step, value in ((2, worst), (4, 0.5), (6, worst), (8, float("nan"))):
+        saver.on_eval(step, {"loss": value}, lambda step=step: small_state(step))
+    saver.close()
+    assert read_best(directory).step == 4 and saver.best.value == 0.5
+    assert sorted(path.name for path in directory.glob("step-*.json")) == [manifest_name(4)]  # nothing else saved
 
 
 def test_an_unknown_best_metric_fails_on_every_rank_naming_the_metrics_that_exist(tmp_path):

@@ -64,6 +64,12 @@ class MapFeed:
     def global_batch(self) -> int:
         return self.plan.global_batch
 
+    def signature(self) -> tuple[object, ...]:
+        """What must stay the same when a loop hands over another dataset object (a range made anew each epoch):
+        the data position means the same on it."""
+        plan = self.plan
+        return "map", plan.length, plan.global_batch, plan.world_size, plan.micro_steps, plan.shuffle, plan.tail
+
     def steps_in_epoch(self, cursor: int = 0) -> int | None:
         return self.plan.steps_in_epoch(cursor)
 
@@ -183,6 +189,10 @@ class StreamFeed:
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
+
+    def signature(self) -> tuple[object, ...]:
+        """A stream's position is its loader's: another stream object cannot go on from it."""
+        return "stream", id(self.source), self.batch_size
 
     def steps_in_epoch(self, cursor: int = 0) -> int | None:
         try:

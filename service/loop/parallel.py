@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from service.config import DDPConfig, TrainConfig
-from service.errors import buffer_hint
+from service.errors import ddp_hint
 from service.loop.syncbn import convert_sync_batchnorm
 from service.loop.wrapped import ServiceDDP
 from service.world.env import EnvError, WorldInfo
@@ -53,7 +53,7 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
                 **_buffer_sync_kwargs(ddp.broadcast_buffers),
             )
     except RuntimeError as exc:  # DDP's first broadcast of the buffers
-        raise buffer_hint(exc) from exc
+        raise ddp_hint(exc) from exc
 
 
 def compile_in_place(model: nn.Module, backend: str) -> None:

@@ -212,9 +212,14 @@ class Runtime:
 
         if self.feed is feed:
             return
-        if self.feed is not None:
-            raise WrapError(f"{why}: this run trains on one dataset, and a second one came; pass the same dataset "
-                            "to every s.batches call of a session.")  # fmt: skip
+        if self.feed is not None:  # another dataset object: the same data made anew (a range each epoch) is fine
+            if feed.signature() != self.feed.signature():
+                raise WrapError(f"{why}: this run trains on one dataset, and another came ({feed.signature()} after "
+                                f"{self.feed.signature()}: kind, length, step size, ...); pass the same data with "
+                                "the same batch_size, shuffle, shard and drop_last to every s.batches call of a "
+                                "session.")  # fmt: skip
+            self.feed = feed
+            return
         if feed.stream:
             saved = (self.kept.saved_own() or {}).get(STREAM)
             check_stream(feed, self.config.train.max_steps, self.config.train.epochs,  # type: ignore[arg-type]

@@ -98,6 +98,7 @@ class Session:
         self._preemption: Preemption | None = None
         self._feeds: dict[tuple[Any, ...], Any] = {}
         self._epoch: int | None = None
+        self._last_feed: Any = None  # the feed of the latest s.batches call (s.epoch_step reads its batch)
         self._closed = False
         self._with = False
         self.rank = self.local_rank = 0
@@ -250,6 +251,15 @@ class Session:
         ``checkpoint.best.metric`` ranks the checkpoints."""
         self._rt.log(scalars, "s.log")
 
+    @property
+    def epoch_step(self) -> int:
+        """Steps already taken in the current epoch: 0 at its start, the resumed position after a resume.
+        ``enumerate(s.batches(...), s.epoch_step)`` numbers a resumed epoch's batches as the uninterrupted run did."""
+        rt = self._rt
+        feed = rt.feed or self._last_feed
+        batch = feed.global_batch if feed is not None else None
+        return rt.state.cursor // batch if batch else 0
+
     def epochs(self) -> Iterator[int]:
         """The epochs left (``train.epochs``, from the one a resume stands in); within one, ``s.batches`` gives that
         epoch's batches only."""
@@ -273,11 +283,15 @@ class Session:
         through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
         dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
         dataset (a stream) is sharded over the ranks and resumes from its state."""
+        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # now: s.epoch_step knows it
+        self._last_feed = feed
+        return self._batches(feed)
+
+    def _batches(self, feed: Any) -> Iterator[Any]:
         from service.loop.batches import to_device
         from service.loop.stepping import Hooks, steps
 
         rt = self._rt
-        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)
         hooks = Hooks(reported=self._reported)
         for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
             yield to_device(fed.batches[0], rt.device, non_blocking=True)

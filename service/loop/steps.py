@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from service.errors import buffer_hint
+from service.errors import ddp_hint
 from service.loop.batches import BatchError, leading_size, require_tensors, tensors
 from service.tasks.base import Task
 
@@ -58,7 +58,7 @@ class TaskStep:
                 )
             return task.loss_fn(output, targets)  # type: ignore[misc]
         except RuntimeError as exc:
-            raise buffer_hint(exc) from exc
+            raise ddp_hint(exc) from exc
 
     def _split(self, result: Any) -> Any:
         """A step_fn's ``(loss, {name: value})``: the loss, with the numbers kept for the step's log line."""

@@ -97,10 +97,6 @@ class ServiceDDP(DistributedDataParallel):
         """Into the module, with its own keys (what :meth:`state_dict` gives)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """``torch.save(model)`` of the wrapper saves the script's module: no DDP, process group or hooks in it."""
-        return self.module.__reduce_ex__(protocol)
-
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

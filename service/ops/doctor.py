@@ -9,7 +9,9 @@ line as ``ddp-service launch`` and checks, without starting a worker:
   cluster's health and version and this machine's clock skew against etcd (service/ops/doctor_checks.py);
 - that ``run_dir`` is writable with room for ``checkpoint.keep`` checkpoints of this model;
 - that the metrics ports (``metrics.port`` + local rank) are free;
-- ``/dev/shm`` against the DataLoader workers.
+- ``/dev/shm`` against the DataLoader workers and the in-memory snapshots;
+- stale in-memory snapshot areas (their agent process is gone): listed with their size and the command that
+  removes them (doctor removes nothing).
 
 It prints a table (with a fix under every failed check) or ``--json``, and exits 1 when a check fails,
 2 when its own command line is wrong, 0 otherwise.
@@ -31,6 +33,7 @@ from service.ops.doctor_checks import (
     check_metrics_ports,
     check_run_dir,
     check_shm,
+    check_snapshot_areas,
     check_store_address,
     checkpoint_bytes,
     fail,
@@ -86,6 +89,7 @@ def run_checks(request: LaunchRequest, environ: Mapping[str, str]) -> list[Check
     checks.append(check_metrics_ports(config, nproc))
     checks.append(check_shm(config, nproc, _measure(lambda: batch_bytes(task, config.train.batch_size), task),
                             snapshot=checkpoint))  # fmt: skip
+    checks.append(check_snapshot_areas(config))
     return checks
 
 

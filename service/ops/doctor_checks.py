@@ -12,6 +12,9 @@ import dataclasses
 import errno
 import http.client
 import io
+import json
+import os
+import shlex
 import shutil
 import socket
 import ssl
@@ -24,6 +27,9 @@ from typing import Any
 from service.config import JobConfig
 from service.rendezvous.options import ClientOptions, Endpoint, RendezvousOptions
 from service.state.checkpoint_io import nearest_existing
+from service.state.files import read_small
+from service.state.snapshot import MARKER
+from service.world.holder import pid_alive, process_start
 
 MiB = 1 << 20
 PREFETCH_FACTOR = 2  # torch's DataLoader default: batches in flight per worker
@@ -316,3 +322,72 @@ def check_shm(config: JobConfig, nproc: int, one_batch: int | None, shm: Path = 
             "the job keeps none (checkpoint.snapshot_every=0 says so; checkpoint.snapshot_dir picks another tmpfs).",
         )
     return ok("/dev/shm", detail)
+
+
+# --------------------------------------------------------------------------- in-memory snapshots
+
+
+def _started_at(pid: int) -> float | None:
+    """When ``pid`` started (Unix seconds, 10 ms ticks), from ``/proc``; None where it cannot be read."""
+    ticks = process_start(pid)
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if ticks is None else time.time() - uptime + int(ticks) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(Path(directory) / name).st_size
+            except OSError:
+                pass
+    return total
+
+
+def stale_reason(area: Path, host: str) -> str | None:
+    """Why the snapshot area ``area`` is stale (its agent is gone from this host), or None while it may be used."""
+    try:
+        raw = read_small(area, MARKER, 4096)
+        owner = json.loads(raw) if raw is not None else None
+    except FileNotFoundError:
+        return f"no {MARKER}: no job owns it"
+    except ValueError as exc:
+        return f"its {MARKER} cannot be read ({exc})"
+    if not isinstance(owner, dict) or type(owner.get("agent")) is not int or not isinstance(owner.get("host"), str):
+        return f"its {MARKER} names no agent process"
+    if owner["host"] != host:
+        return None  # another host's: its agent cannot be looked for here
+    agent, written = owner["agent"], os.lstat(area / MARKER).st_mtime
+    if not pid_alive(agent, None):
+        return f"its agent process {agent} is gone (run_dir {owner.get('run_dir')}, run id {owner.get('run_id')})"
+    started = _started_at(agent)
+    if started is not None and started > written + 1:  # the pid came back as another process since
+        return f"its agent process {agent} is gone; that pid is another process now (run_dir {owner.get('run_dir')})"
+    return None
+
+
+def check_snapshot_areas(config: JobConfig, host: str | None = None) -> Check:
+    """The in-memory snapshot areas of this user under ``checkpoint.snapshot_dir`` whose agent process is gone:
+    a job that ended past its clean-up left them (the hang watchdog's exit, a SIGKILLed agent), and nothing
+    reads them again. Listed with their size and the command that removes them; doctor removes nothing."""
+    root = Path(config.checkpoint.snapshot_dir) / f"ddp-service-{os.getuid()}"
+    host = host or socket.gethostname()
+    try:
+        areas = sorted(path for path in root.iterdir() if path.is_dir() and not path.is_symlink())
+    except FileNotFoundError:
+        return ok("snapshot areas", f"none under {root}")
+    except OSError as exc:
+        return Check("snapshot areas", "warn", f"cannot list {root}: {exc.strerror or exc}")
+    stale = [(area, why, _tree_bytes(area)) for area in areas if (why := stale_reason(area, host)) is not None]
+    if not stale:
+        return ok("snapshot areas", f"{len(areas)} under {root}, none stale")
+    lines = [f"{area}: {_mib(size)}, {why}" for area, why, size in stale]
+    total = sum(size for _, _, size in stale)
+    remove = "rm -rf " + " ".join(shlex.quote(str(area)) for area, _, _ in stale)
+    return Check("snapshot areas", "warn", f"{len(stale)} stale in-memory snapshot area(s) under {root} hold "
+                 f"{_mib(total)} of shared memory that no job reads again (doctor removes nothing; remove them with "
+                 f"`{remove}`):\n" + "\n".join(lines))  # fmt: skip

@@ -33,15 +33,14 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.state.weights import WeightsError, checkpoint_weights, export_weights, pick_step
+    from service.state.weights import WeightsError, check_out, checkpoint_weights, export_weights, pick_step
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     fmt = args.fmt or ("pt" if out.suffix in (".pt", ".pth") else "safetensors")
     try:
         if not run_dir.is_dir():
             raise WeightsError(f"{run_dir} is not a directory; pass the run_dir of a training run")
-        if out.is_dir():
-            raise WeightsError(f"{out} is a directory; name the file to write, e.g. {out / 'model.safetensors'}")
+        check_out(out)  # a device, a FIFO, a directory or a symlink at OUT is refused, before any reading
         if not out.parent.is_dir():
             raise WeightsError(f"the directory of {out} does not exist; create it first (mkdir -p {out.parent})")
         directory, step = pick_step(run_dir, args.step)

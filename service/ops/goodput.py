@@ -33,14 +33,17 @@ def table(breakdown: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.telemetry.goodput import LEDGER, fold, read_ledger
+    from service.state.files import kind_of
+    from service.telemetry.goodput import LEDGER, fold, read_starts
 
     path = Path(args.run_dir) / LEDGER
     if not path.is_file():
-        print(f"error: {path} does not exist; pass the run_dir of a job that ran with metrics.goodput=true",
+        what = f"is {kind_of(path.lstat().st_mode)}, not a ledger" if path.is_symlink() or path.exists() else (
+            "does not exist")  # fmt: skip
+        print(f"error: {path} {what}; pass the run_dir of a job that ran with metrics.goodput=true",
               file=sys.stderr)  # fmt: skip
         return EXIT_BAD_INPUT
-    records = read_ledger(path)
+    records = read_starts(path)  # the last record of each start, streamed: all the fold needs
     if not records:
         print(f"error: {path} holds no valid goodput record; it is empty or not a ledger of ddp-service",
               file=sys.stderr)  # fmt: skip

@@ -47,9 +47,13 @@ class EarlySignals:
         self.ours.add(handle)
         return handle
 
+    def unhonoured(self) -> bool:
+        """A signal was recorded and not yet passed on to the agent."""
+        return bool(self.received) and not self.honoured
+
     def check(self) -> None:
         """Raise for a signal that was recorded and not honoured (its raise was swallowed)."""
-        if self.received and not self.honoured:
+        if self.unhonoured():
             raise Signalled(self.received[0])
 
     def redeliver(self, done: threading.Event, poll: float = 0.02) -> None:

@@ -100,20 +100,34 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     # First thing: loading torch alone takes seconds, and torchrun's agent handles signals only once it has
     # started workers. Until then a handled signal ends the launch as preempted.
     early = handled_signals(environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS)
+    _import_agent()  # while the signals are only noted (service.early): a raise inside an import breaks modules
     kept = EarlySignals()
     handler = kept.handler(raise_signalled)
     previous = {sig: signal.signal(sig, handler) for sig in early}
     try:
         held.release()  # a signal since the command line's first line reaches the handler above now
         return _launch(argv, environ, previous, kept)
-    except Signalled as exc:
-        log.warning("launch: got %s before torchrun's agent started; no worker ran", exc.sigval.name)
-        code = exit_code(Outcome(signal=exc.sigval.name))
+    except Exception as exc:
+        if not isinstance(exc, Signalled) and not kept.unhonoured():
+            raise
+        sigval = exc.sigval if isinstance(exc, Signalled) else kept.received[0]
+        if not isinstance(exc, Signalled):  # the raise was swallowed and became this error: the signal is the news
+            log.info("launch: %s while stopping for %s", type(exc).__name__, sigval.name)
+        log.warning("launch: got %s before torchrun's agent started; no worker ran", sigval.name)
+        code = exit_code(Outcome(signal=sigval.name))
         log.info("launch: exit %d (%s)", code, _MEANING[code])
         return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a handler not from Python
+
+
+def _import_agent() -> None:
+    """Load torchrun's agent (torch: a second or more). Signals that come meanwhile are held, not raised: an
+    exception raised inside an import can be caught by the module being imported, which then fails later with
+    "cannot load module more than once per process" (numpy, seen under load)."""
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
 
 
 def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[signal.Signals, Any],

@@ -21,14 +21,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.state.checkpoint_io import _fsync_dir, _write_synced, read_small, state_name
+from service.state.checkpoint_io import _fsync_dir, _write_synced, state_name
+from service.state.files import read_small
 
 BEST_NAME = "best.json"
 _MAX_BYTES = 16 * 1024
 
 
 class BestMetricError(ValueError):
-    """``checkpoint.best.metric`` names no result the evaluation reports."""
+    """``checkpoint.best.metric`` names no result the evaluation reports: bad input, found on every rank before
+    training (exit 2, like an invalid config)."""
+
+    exit_code = 2
 
 
 class BestRecord(BaseModel):

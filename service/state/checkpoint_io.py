@@ -29,7 +29,6 @@ import os
 import pickle
 import re
 import shutil
-import stat
 import time
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
@@ -37,6 +36,8 @@ from typing import Any, BinaryIO, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.state.files import open_regular, read_small
 
 log = logging.getLogger(__name__)
 
@@ -249,52 +250,6 @@ def candidate_steps(directory: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}  # fmt: skip
-
-
-def _not_regular(name: str, mode: int) -> ValueError:
-    kind = _KINDS.get(stat.S_IFMT(mode), "not a plain file")
-    return ValueError(f"{name} is {kind}, not a regular file; nothing was read from it (delete it if you did "
-                      "not put it there)")  # fmt: skip
-
-
-def _open_regular(directory: Path, name: str) -> tuple[BinaryIO, int]:
-    """Open ``directory/name`` and return it with its size, reading nothing; ``ValueError`` unless it is a
-    regular file, reached at most through a symlink that stays inside ``directory``; ``FileNotFoundError``."""
-    path = target = directory / name
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        target = path.resolve()
-        if not target.is_relative_to(directory.resolve()):
-            raise ValueError(f"{name} is a symbolic link to {target}, outside {directory}; nothing was read "
-                             "from it (delete the link if you did not put it there)")  # fmt: skip
-        info = os.lstat(target)
-    if not stat.S_ISREG(info.st_mode):
-        raise _not_regular(name, info.st_mode)
-    # O_NONBLOCK and O_NOFOLLOW: a FIFO or link swapped in since the lstat neither blocks nor is followed
-    try:
-        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _not_regular(name, stat.S_IFLNK) from None
-        raise
-    file = os.fdopen(fd, "rb")
-    opened = os.fstat(fd)
-    if not stat.S_ISREG(opened.st_mode):
-        file.close()
-        raise _not_regular(name, opened.st_mode)
-    return file, opened.st_size
-
-
-def read_small(directory: Path, name: str, limit: int) -> bytes | None:
-    """A small regular file's bytes (checked by :func:`_open_regular`), or None when it is over ``limit``."""
-    file, size = _open_regular(directory, name)
-    with file:
-        raw = file.read(limit + 1) if size <= limit else b""
-    return None if size > limit or len(raw) > limit else raw
-
-
 def read_manifest(directory: Path, step: int) -> Manifest:
     """The manifest of ``step``; ``ValueError`` with the reason when it is missing or malformed."""
     path = directory / manifest_name(step)
@@ -317,7 +272,7 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
     """The manifest and state bytes of ``step`` after checking size and sha256; ``ValueError`` if they fail."""
     manifest = read_manifest(directory, step)
     try:
-        file, size = _open_regular(directory, manifest.file)
+        file, size = open_regular(directory, manifest.file)
     except FileNotFoundError:
         raise ValueError(f"its state file {manifest.file} is missing") from None
     payload = b""
@@ -337,11 +292,13 @@ _RESUME_FIX = ("A checkpoint written by this service never does that: delete the
                "did not put it there yourself, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
 
 
-def load_tensors(payload: bytes, source: str, fix: str = _RESUME_FIX) -> Any:
-    """``torch.load(weights_only=True)`` of ``payload``: tensors and plain containers only; anything else is refused
-    with :class:`UnsafeCheckpointError` (ending in ``fix``) before any of it runs."""
+def load_tensors(payload: bytes | str, source: str, fix: str = _RESUME_FIX, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of ``payload`` (bytes, or a file's path; ``mmap``: its storages mapped, not
+    read, a torch zip only): tensors and plain containers only; anything else is refused with
+    :class:`UnsafeCheckpointError` (ending in ``fix``) before any of it runs."""
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        data = io.BytesIO(payload) if isinstance(payload, bytes) else payload
+        return torch.load(data, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"Refused to load {source}: it holds pickled objects other than tensors and plain containers "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ from service.state.best import read_best
 from service.state.checkpoint_io import (
     FORMAT,
     UnsafeCheckpointError,
-    _open_regular,
     _step_of,
     candidate_steps,
     load_state,
@@ -36,6 +36,7 @@ from service.state.checkpoint_io import (
     read_verified,
     state_name,
 )
+from service.state.files import kind_of, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +153,18 @@ _PICKLE_FIX = ("It holds code or objects (a whole model saved with torch.save(mo
                "init_from at that file.")  # fmt: skip
 
 
+_ZIP, _PICKLE = b"PK\x03\x04", b"\x80"  # torch.save: a zip archive, or the legacy format's pickle
+_HEAD = 9  # enough to tell the formats apart: safetensors is an 8-byte header length, then its JSON ("{")
+
+
 def read_weights(path: Path) -> dict[str, Tensor]:
     """Model weights from a state dict ``.pt``/``.pth``, a ``.safetensors`` file, a service checkpoint
-    (``step-NNNNNNNN.pt`` next to its manifest; its checks first) or a run dir (its newest checkpoint)."""
+    (``step-NNNNNNNN.pt`` next to its manifest; its checks first) or a run dir (its newest checkpoint).
+
+    A plain file is told by its first bytes, and only then read, by the reader of its format, which maps or
+    reads the tensors it holds, never the whole file at once: a large file that is no weights file is refused
+    before anything else of it is read, and memory is bounded by the tensors loaded.
+    """
     if path.is_dir():
         return checkpoint_weights(*pick_step(path, "latest"))
     step = _step_of(path)
@@ -162,34 +172,44 @@ def read_weights(path: Path) -> dict[str, Tensor]:
         return checkpoint_weights(path.parent, step)
     resolved = path.resolve()
     try:
-        file, _ = _open_regular(resolved.parent, resolved.name)
+        file, size = open_regular(resolved.parent, resolved.name)
     except FileNotFoundError:
         raise WeightsError(f"{path} does not exist on this node; put the weights file there (or on storage "
                            "every node sees) or fix the path") from None  # fmt: skip
     except (ValueError, OSError) as exc:
         raise WeightsError(f"cannot read {path}: {exc}") from None
     with file:
-        payload = file.read()
-    if payload.startswith(b"PK\x03\x04") or payload[:1] == b"\x80":  # torch.save: a zip, or the legacy pickle
-        try:
-            loaded = load_tensors(payload, str(path), _PICKLE_FIX)
-        except UnsafeCheckpointError as exc:
-            raise WeightsError(str(exc)) from None
-        except ValueError as exc:
-            raise WeightsError(f"{exc}; save the weights with torch.save(model.state_dict(), PATH)") from None
-        return _state_dict_of(loaded, path)
-    if len(payload) > 8 and payload[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON
-        from safetensors import SafetensorError
-        from safetensors.torch import load
+        head = file.read(_HEAD)
+        # The descriptor checked above, reopened by its /proc name: a file swapped in at the path since is not read.
+        opened = f"/proc/self/fd/{file.fileno()}" if Path("/proc/self/fd").is_dir() else str(resolved)
+        if head.startswith((_ZIP, _PICKLE)):
+            try:
+                loaded = load_tensors(opened, str(path), _PICKLE_FIX, mmap=head.startswith(_ZIP))
+            except UnsafeCheckpointError as exc:
+                raise WeightsError(str(exc)) from None
+            except ValueError as exc:
+                raise WeightsError(f"{exc}; save the weights with torch.save(model.state_dict(), PATH)") from None
+            return _state_dict_of(loaded, path)
+        if len(head) == _HEAD and head[8:9] == b"{":
+            return _safetensors(opened, path, int.from_bytes(head[:8], "little"), size)
+    raise WeightsError(f"{path} is neither a torch file nor a safetensors file (its first bytes are {head[:8]!r}); "
+                       "give init_from a state dict saved with torch.save(model.state_dict(), PATH), a .safetensors "
+                       "file or a service checkpoint")  # fmt: skip
 
-        try:
-            return dict(load(payload))
-        except SafetensorError as exc:
-            raise WeightsError(f"{path} is not a readable safetensors file ({exc}); write it with "
-                               "safetensors.torch.save_file(model.state_dict(), PATH)") from None  # fmt: skip
-    raise WeightsError(f"{path} is neither a torch file nor a safetensors file; give init_from a state dict "
-                       "saved with torch.save(model.state_dict(), PATH), a .safetensors file or a service "
-                       "checkpoint")  # fmt: skip
+
+def _safetensors(opened: str, path: Path, header: int, size: int) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, each read from the mapped file on its own."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "write it with safetensors.torch.save_file(model.state_dict(), PATH)"
+    if header > size - 8:
+        raise WeightsError(f"{path} is not a readable safetensors file (its header length {header} is past the end "
+                           f"of its {size} bytes); {fix}")  # fmt: skip
+    try:
+        with safe_open(opened, framework="pt", device="cpu") as tensors:
+            return {name: tensors.get_tensor(name) for name in tensors.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightsError(f"{path} is not a readable safetensors file ({exc}); {fix}") from None
 
 
 def _state_dict_of(loaded: Any, path: Path) -> dict[str, Tensor]:
@@ -261,6 +281,26 @@ def init_model(model: nn.Module, path: str | Path, strict: bool = True) -> None:
 # --- out, for inference ---------------------------------------------------------------------------------------------
 
 
+def check_out(out: Path) -> None:
+    """``WeightsError`` unless ``out`` is absent or a regular file: the export renames a new file over it, which
+    would replace a device (``/dev/null``), a FIFO or a symlink itself, and the node would be gone."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISLNK(mode):
+        what = f"a symbolic link to {os.readlink(out)}"
+        fix = f"name the file itself (export writes {out.resolve()} if you pass that path) or remove the link"
+    elif stat.S_ISDIR(mode):
+        what, fix = "a directory", f"name the file to write, e.g. {out / 'model.safetensors'}"
+    else:
+        what, fix = kind_of(mode), "name a new file, or a regular file to overwrite, e.g. model.safetensors"
+    raise WeightsError(f"{out} is {what}, not a regular file. export writes a new file and renames it over OUT, which "
+                       f"would replace {out} itself, so it left it alone and wrote nothing: {fix}.")  # fmt: skip
+
+
 def export_weights(weights: Mapping[str, Tensor], out: Path, fmt: str, metadata: Mapping[str, str]) -> int:
     """Write ``weights`` to ``out`` atomically; returns how many tied tensors were written as copies.
 
@@ -271,6 +311,7 @@ def export_weights(weights: Mapping[str, Tensor], out: Path, fmt: str, metadata:
     """
     if fmt not in FORMATS:
         raise WeightsError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
+    check_out(out)
     weights = strip_prefixes(weights)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     copies = 0
@@ -289,6 +330,7 @@ def export_weights(weights: Mapping[str, Tensor], out: Path, fmt: str, metadata:
                 copies += alias
                 tensors[key] = value.detach().clone() if alias else value.detach().contiguous()
             save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+        check_out(out)  # again, just before the rename: what stands at OUT now is what is replaced
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,7 +5,8 @@ events the loop already sends every sink, this start's productive step time, dat
 and evaluation, and appends one JSON line (a :class:`Record`: this start's totals so far) to
 ``run_dir/goodput.jsonl`` at start, every ``metrics.goodput_every_seconds`` and at the end: one
 ``os.write`` of one line on an ``O_APPEND`` descriptor, so a crash leaves at most a torn last line, which
-:func:`read_ledger` skips with every line that does not parse or validate.
+the reader skips with every line that does not parse or validate. At start it reads the last record of each
+earlier start, streamed, and compacts the ledger to those (:mod:`service.telemetry.ledger`).
 
 :func:`fold` turns the ledger into the job's breakdown (``docs/monitoring.md``, Goodput): the last record
 of each start gives that start's categories, the gaps between starts are ``recovery`` (or
@@ -17,71 +18,32 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
+from service.state.files import open_append
+from service.telemetry.ledger import (  # noqa: F401 (LEDGER, Record, read_ledger: the ledger's names, here too)
+    LEDGER,
+    Record,
+    Status,
+    compact,
+    last_per_start,
+    read_ledger,
+    read_starts,
+)
 from service.telemetry.metrics import EvalReport, MetricsSink
 
 log = logging.getLogger(__name__)
 
-LEDGER = "goodput.jsonl"
 CATEGORIES = ("startup", "rendezvous", "restore", "checkpoint", "data_wait", "eval", "lost_progress", "recovery",
               "preempted_idle", "other")  # fmt: skip
 WINDOW_SECONDS = 300.0  # the window="5m" series
-SLACK = 0.05  # seconds of clock jitter a record's own sums may exceed its span by
-Status = Literal["running", "completed", "preempted", "failed", "lock_lost"]
-
-
-class Record(BaseModel):
-    """One line of the ledger: one start's totals at ``time`` (Unix seconds); times are Unix, durations seconds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    kind: Literal["start", "progress", "end"]
-    pid: int = Field(ge=1)
-    time: float = Field(gt=0)
-    process_start: float = Field(gt=0)
-    restart_count: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    rendezvous_round: int | None = Field(None, ge=0)
-    group_began: float | None = None  # the process group set-up: entered ...
-    group_up: float | None = None  # ... and returned (its wait is the worker's share of the rendezvous)
-    restore_seconds: float = Field(0.0, ge=0)  # the resume: the agreement and the load of the checkpoint
-    resumed_step: int | None = Field(None, ge=0)
-    first_step: float | None = None  # when this start's first optimizer step began
-    step: int = Field(0, ge=0)  # the job's global step at ``time``
-    steps: int = Field(0, ge=0)  # optimizer steps this start took
-    productive: float = Field(0.0, ge=0)  # step time less data wait
-    data_wait: float = Field(0.0, ge=0)
-    checkpoint: float = Field(0.0, ge=0)  # the training thread's stall, not a background write
-    eval: float = Field(0.0, ge=0)
-    status: Status = "running"
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Record:
-        marks = [self.process_start, self.group_began, self.group_up, self.first_step, self.time]
-        known = [mark for mark in marks if mark is not None]
-        if any(later < earlier - SLACK for earlier, later in zip(known, known[1:], strict=False)):
-            raise ValueError("process_start <= group_began <= group_up <= first_step <= time does not hold")
-        spent = self.productive + self.data_wait + self.checkpoint + self.eval + self.restore_seconds
-        if spent > (self.time - self.process_start) * 1.01 + SLACK:
-            raise ValueError(f"{spent:.3f} s accounted in a start of {self.time - self.process_start:.3f} s")
-        if (self.first_step is None) != (self.steps == 0):
-            raise ValueError("first_step is set exactly when steps > 0")
-        return self
-
-    @property
-    def start_id(self) -> tuple[int, float]:
-        return self.pid, self.process_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +71,7 @@ class Breakdown:
                 "badput_seconds": {name: round(self.badput[name], 3) for name in CATEGORIES}}  # fmt: skip
 
 
-def last_per_start(records: Sequence[Record]) -> list[Record]:
-    """The latest record of each start (by time), the starts in the order they began."""
-    latest: dict[tuple[int, float], Record] = {}
-    for record in records:
-        if record.start_id not in latest or record.time >= latest[record.start_id].time:
-            latest[record.start_id] = record
-    return sorted(latest.values(), key=lambda record: (record.process_start, record.pid))
-
-
-def fold(records: Sequence[Record]) -> Breakdown:
+def fold(records: Iterable[Record]) -> Breakdown:
     """The job's breakdown from its ledger's records (any order, any start's any records).
 
     Starts are laid on one time line from the first one's process start; a start that overlaps the one before
@@ -164,28 +117,6 @@ def fold(records: Sequence[Record]) -> Breakdown:
     wall = cursor - origin
     total = sum(productive)
     return Breakdown(wall, total, badput, len(starts))
-
-
-def read_ledger(path: Path) -> list[Record]:
-    """Every valid record of the ledger at ``path`` ([] if there is none); a torn last line (no newline: a
-    writer died in its write), a line that is not JSON or not a valid :class:`Record` is skipped and counted."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    lines = data.split(b"\n")
-    torn = lines.pop()  # b"" when the file ends in a newline
-    records, skipped = [], int(bool(torn.strip()))
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(Record.model_validate(json.loads(line)))
-        except (ValueError, ValidationError):  # json's JSONDecodeError and UnicodeDecodeError are ValueErrors
-            skipped += 1
-    if skipped:
-        log.warning("%s: skipped %d line(s) that are torn, not JSON or not a valid goodput record", path, skipped)
-    return records
 
 
 def process_start_time() -> float | None:
@@ -240,14 +171,15 @@ class GoodputSink(NoGoodput):
         self.path = Path(run_dir) / LEDGER
         self.failed = False  # the ledger never stops training: a failed write is logged once and skipped
         self.fd: int | None = None
+        self.earlier: list[Record] = []  # the job's earlier starts, their last records: the gauges continue
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if fresh and self.path.exists():  # checkpoint.resume=never: a new job; an earlier ledger moves aside
                 os.replace(self.path, self.path.with_name(f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"))
-            self.earlier = last_per_start(read_ledger(self.path))  # the job's earlier starts: the gauges continue
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            self.earlier = []
+            self.earlier = read_starts(self.path)  # streamed: memory grows with the starts, not the lines
+            compact(self.path, self.earlier)  # ... and the next start reads those lines alone
+            self.fd = open_append(self.path.parent, LEDGER)  # a regular file only: a FIFO is refused, not waited on
+        except (OSError, ValueError) as exc:
             self._failed(exc)
         self.every = every
         self.lock = threading.Lock()  # the scrape thread folds while the loop adds
@@ -295,12 +227,13 @@ class GoodputSink(NoGoodput):
             self.history.popleft()
         self.due = time.monotonic() + self.every
 
-    def _failed(self, exc: OSError) -> None:
+    def _failed(self, exc: OSError | ValueError) -> None:
         if not self.failed:
             self.failed = True
+            why, fix = ((exc.strerror or exc, "free space in run_dir or make it writable") if isinstance(exc, OSError)
+                        else (exc, "remove it, and the next start writes a new ledger"))  # fmt: skip
             log.warning("the goodput ledger %s could not be written (%s): its figures miss what this start does "
-                        "from here; free space in run_dir or make it writable (training goes on)", self.path,
-                        exc.strerror or exc)  # fmt: skip
+                        "from here; %s (training goes on)", self.path, why, fix)  # fmt: skip
 
     def window(self, now: float | None = None) -> Breakdown:
         """The last five minutes (or since this start, if shorter), from the records kept in memory."""

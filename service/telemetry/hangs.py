@@ -6,7 +6,8 @@ scrape, so it appends one line here first (one ``write`` of a whole line on an
 count and the last rank named (:func:`tally`). A line torn by a crash mid-write
 (the last one, without its newline) is skipped; a line that is not such a
 record is skipped with a warning. The file is read bounded: its last
-:data:`MAX_BYTES` only.
+:data:`MAX_BYTES` only; and only a regular file is read or written (a FIFO
+planted at its name would block every start): anything else gets a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from service.state.files import open_append, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,14 @@ NO_HANGS = HangTally()
 
 
 def append_hang(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` as one line, in one ``write``: concurrent ranks' lines do not interleave."""
+    """Append ``record`` as one line, in one ``write``: concurrent ranks' lines do not interleave. Anything but a
+    regular file at ``path`` (a FIFO would block the open) gets nothing, and a warning; ``OSError``."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = open_append(path.parent, path.name)
+    except ValueError as exc:
+        log.warning("the hang record %s is not written: %s", path, exc)
+        return
     try:
         os.write(fd, line)
     finally:
@@ -54,12 +62,15 @@ def _valid(record: Any) -> bool:
 def read_hangs(path: Path) -> list[dict[str, Any]]:
     """The records of ``path`` (none when it is missing), oldest first, torn or foreign lines skipped."""
     try:
-        with open(path, "rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            file.seek(max(0, size - MAX_BYTES))
-            data = file.read(MAX_BYTES)
+        file, size = open_regular(path.parent, path.name)
     except FileNotFoundError:
         return []
+    except ValueError as exc:  # a FIFO would block a plain open() forever
+        log.warning("the hang record %s cannot be read: %s. The hang count starts from 0.", path, exc)
+        return []
+    with file:
+        file.seek(max(0, size - MAX_BYTES))
+        data = file.read(MAX_BYTES)
     lines = data.split(b"\n")
     if size > MAX_BYTES:
         lines = lines[1:]  # the first line read may be cut

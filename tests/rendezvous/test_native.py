@@ -31,7 +31,7 @@ from service.rendezvous.client import EtcdClient
 from service.rendezvous.factory import build_handler
 from service.rendezvous.lease import NodeLease, RunLostError
 from service.rendezvous.native.mirror import Entry
-from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
+from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, RecordError, SealRecord
 from service.rendezvous.native.rounds import seal_due, try_join, try_seal, view_round
 from service.rendezvous.options import parse_options
 
@@ -326,6 +326,34 @@ def test_planted_values_are_refused_and_nothing_runs(
     finally:
         client.close()
     assert planted.decode() in str(info.value) and "did not write" in str(info.value) and not marker.exists()
+
+
+def test_a_signed_layout_refuses_unsigned_and_wrongly_signed_values_without_etcd() -> None:
+    """The promise behind a signed run, record by record: a value without this run's signature is a forgery
+    (:meth:`Layout.forgery`), and decoding one is refused (:meth:`Layout.decode`), whatever record it pretends to be."""
+    signed = Layout.of(PREFIX, "run", SECRET.encode())
+    unsigned, other = Layout.of(PREFIX, "run"), Layout.of(PREFIX, "run", b"another secret, 16+ chars")
+    records = [
+        (signed.node_key(0, "a"), NodeRecord(node="a", addr="x", pid=1, round=0)),
+        (signed.seal_key(0), SealRecord(round=0, members=["a"], addrs=["x"], sealed_by="a")),
+        (signed.closed, ClosedRecord(closed_by="a")),
+    ]
+    for key, record in records:
+        model = type(record)
+        assert signed.decode(model, signed.encode(key, record), key) == record  # the run's own value
+        bare = unsigned.encode(key, record)  # what a writer without the secret puts: the valid JSON alone
+        assert signed.forgery(key, bare) == "it is unsigned"
+        for decode in (signed.decode, signed.decode_uncached):
+            with pytest.raises(RecordError, match="holds an unsigned value, but this run is signed"):
+                decode(model, bare, key)
+        for forged, why in ((other.encode(key, record), "another secret"),
+                            (signed.encode(signed.node_key(9, "b"), record), "another key's signature")):  # fmt: skip
+            assert signed.forgery(key, forged) == "its signature does not match this run's secret", why
+            with pytest.raises(RecordError, match="signature does not match"):
+                signed.decode(model, forged, key)
+        with pytest.raises(RecordError, match="holds a signed value, but this agent has no signing secret"):
+            unsigned.decode(model, signed.encode(key, record), key)
+        assert unsigned.forgery(key, bare) is None and unsigned.decode(model, bare, key) == record  # an unsigned run
 
 
 def _forgeries(run_id: str) -> dict[bytes, bytes]:

@@ -29,3 +29,20 @@ def inplace_activation(spec: TaskSpec) -> Task:
 
 def not_a_task(spec: TaskSpec) -> dict:
     return {"model": None}
+
+
+class UnusedHead(nn.Module):
+    """Two heads, one of which the forward never calls: its parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+        self.unused = nn.Linear(64, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+def unused_parameters(spec: TaskSpec) -> Task:
+    train_set, eval_set = load_digits_split(spec.seed, 0.2)
+    return Task(UnusedHead(), train_set, eval_set, nn.CrossEntropyLoss(), accuracy, "accuracy")
