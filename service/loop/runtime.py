@@ -366,6 +366,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "global_batch_size": feed.global_batch if feed is not None else None,
         "grad_accum": micro_steps,
         "restarts": rt.world.restart_count,
+        "max_restarts": rt.world.max_restarts,
         "nonfinite_steps": rt.nonfinite.skipped if rt.nonfinite is not None else 0,
         "final_loss": None,
         "eval_metric": {"name": None, "value": None},
