@@ -90,12 +90,18 @@ class Agent:
         rdzv_conf: str = "",
         env: dict[str, str] | None = None,
         gate: Path | None = None,
+        warm: bool = False,
     ) -> None:
         self.log_path = log_path
         self.local_addr = local_addr
         # A gated agent imports torch first and starts torchrun only once ``gate`` exists,
         # so a test can add a node at a precise moment without paying for interpreter start-up.
         launcher = ["-c", _GATED, str(gate)] if gate is not None else ["-m", "torch.distributed.run"]
+        if warm:  # `ddp-service launch`: the same agent, its workers forked from a preloaded fork server
+            launcher, script = (
+                ["-m", "service", "launch"],
+                script[3:] if script[:3] == ["-m", "service", "train"] else script,
+            )
         args = [
             sys.executable,
             *launcher,
