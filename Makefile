@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # range would pull a multi-GB CUDA build. Only installed when no torch exists.
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=60
 
 .PHONY: install install-test prometheus slurm demo test lint bench gpu-check monitor clean
 

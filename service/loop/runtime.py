@@ -251,6 +251,7 @@ class Runtime:
                             resumed.state.get("world_size"), feed.global_batch, self.world.world_size,
                             resumed.step)  # fmt: skip
         self.roles.goodput.restored(self.restore_seconds)
+        self.started = time.perf_counter()  # summary.json's wall_seconds and samples_per_second: the training's own
 
     # ------------------------------------------------------------------ saving
     def gather_own(self) -> None:
