@@ -96,6 +96,8 @@ def test_auto_is_the_gpu_count_or_two_cpu_processes_and_says_so(monkeypatch):
     assert parse_request([], os.environ).torchrun.nproc_per_node == "3"
     explicit = parse_request(["--signals-to-handle=SIGTERM"], {}).torchrun.signals_to_handle
     assert explicit == "SIGTERM"  # an explicit list passes through unchanged
+    assert parse_request([], {}).torchrun.fork_server  # warm starts by default
+    assert not parse_request(["job.yaml", "--no-fork-server"], {}).torchrun.fork_server
 
 
 @pytest.mark.parametrize(
@@ -210,17 +212,22 @@ def test_a_bad_config_exits_2_before_any_worker_starts(tmp_path):
 @pytest.mark.e2e
 def test_sigterm_then_sigusr1_mid_run_exit_75_and_each_start_resumes_from_the_last_checkpoint(tmp_path):
     """SIGTERM reaches the workers through the agent; SIGUSR1 too (launch adds it to torchrun's list). The second
-    start resumes from the first one's checkpoint, and stops at a later step with a checkpoint of its own."""
+    start resumes from the first one's checkpoint, and stops at a later step with a checkpoint of its own. The
+    first start's workers are forks of launch's fork server; the second's (--no-fork-server) are interpreters."""
     run_dir = tmp_path / "run"
     args = ("--set", f"run_dir={run_dir}", "--set", "task=slow_tasks:slow_shapes", "--set", "task_options.sleep=0.05",
             "--set", "task_options.image_size=16", "--set", "train.max_steps=30", "--set", "train.epochs=10",
             "--set", "train.log_every=1", "--max-restarts=2")  # fmt: skip
     summaries = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        proc, watcher = start(*args)
+    for sig, cold in ((signal.SIGTERM, ()), (signal.SIGUSR1, ("--no-fork-server",))):
+        proc, watcher = start(*args, *cold)
         try:
             first = summaries[-1]["stopped_at_step"] + 2 if summaries else 3
             watcher.wait_for(rf"\[rank 0\] INFO step {first}/", timeout=120)
+            server, forked = fork_server_workers(proc.pid)
+            assert (bool(server), len(forked), len(worker_pids(proc.pid))) == (
+                (True, 2, 2) if not cold else (False, 0, 2)
+            )
             os.kill(proc.pid, sig)
             assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-4000:]
         finally:

@@ -67,6 +67,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, as in `ddp-service train` (repeatable)")  # fmt: skip
+    parser.add_argument("--no-fork-server", dest="fork_server", action="store_false", help=_NO_FORK_SERVER)
     # torchrun reads PET_<OPTION> as the default of each option (a PyTorchJob sets them); those still win.
     if "PET_NPROC_PER_NODE" not in environ:
         parser.set_defaults(nproc_per_node="auto")
@@ -75,6 +76,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
+_NO_FORK_SERVER = (
+    "start every worker as a new interpreter, as torchrun does, instead of forking it from launch's "
+    "fork server, which has imported torch and the service once (warm starts and restarts)"
+)
 _USAGE = (
     "ddp-service launch [job.yaml] [--set KEY=VALUE ...] [--script train.py [-- ARGS]] [--nproc-per-node auto|N] "
     "[torchrun options]"
@@ -89,6 +94,8 @@ Run the job under torchrun's agent in one command: torchrun [torchrun options] -
   - SIGUSR1 (Slurm's --signal=USR1@90) joins the signals torchrun handles, from the first moment:
     the workers checkpoint at the next step and the launch exits 75;
   - the config is validated before any worker starts;
+  - workers forked from a fork server that has imported torch and the service once, so a restart
+    after a lost worker pays no interpreter start and no imports (--no-fork-server: torchrun's way);
   - one exit code for the job: 0 completed, 75 preempted (rerun the same command to resume),
     2 bad input (a bad config or option, or a worker that refused its input), 1 failed.
 """
@@ -118,6 +125,7 @@ def launch_help() -> str:
     )
     group.add_argument("--nproc-per-node", metavar="auto|N", help="processes on this node; auto (the default): "
                        "one per GPU, else 2 CPU processes; also torchrun's words (gpu, cpu)")  # fmt: skip
+    group.add_argument("--no-fork-server", action="store_true", help=_NO_FORK_SERVER)
     group.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     torchrun = get_args_parser()
     hidden = {"help", "nproc_per_node", *_ENTRYPOINT_OPTIONS}  # launch's own above, or refused by launch

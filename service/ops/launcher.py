@@ -14,7 +14,11 @@ the choices a first user would otherwise have to make:
 - those signals are handled from the first moment, not only once torchrun has
   started workers (its agent installs its handlers then): one during start-up
   or the first rendezvous ends the launch as preempted (75), with no worker
-  started and nothing lost.
+  started and nothing lost;
+- the workers are forks of a fork server that has imported torch and the
+  service once (``service/ops/warm.py``), so a restart after a lost worker
+  pays neither an interpreter nor the imports; ``--no-fork-server`` starts
+  each as a new interpreter, as torchrun does.
 
 Every other torchrun option passes through unchanged; the options are parsed
 by torchrun's own ``get_args_parser()`` and the job runs through
@@ -175,7 +179,8 @@ def run_agent(request: LaunchRequest, config: JobConfig, kept: EarlySignals | No
     for sig in handled_signals(request.torchrun.signals_to_handle):
         signal.signal(sig, handler)
     kept.check()  # a signal whose raise was lost while torch loaded: no agent, no worker
-    warm_workers(request.torchrun, config.task)
+    if request.torchrun.fork_server:
+        warm_workers(request.torchrun, config.task)
     log.info("launch: torchrun %s", _describe(request.torchrun))
     done = threading.Event()
     watcher = threading.Thread(target=kept.redeliver, args=(done,), name="launch-signals", daemon=True)
