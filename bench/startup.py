@@ -1,8 +1,11 @@
 """Time to the first step: where a start's seconds go, the service against the seed's bare recipe.
 
-Both train the demo's UNet on the same shapes data with SGD at 2 gloo processes (``--world``), under torchrun,
-one optimizer step, and the two alternate within one invocation (``--rounds``) so drift on the machine hits both
-alike. From the moment torchrun is started to rank 0's first step done, each phase's end (medians over rounds):
+All three train the demo's UNet on the same shapes data with SGD at 2 gloo processes (``--world``), one
+optimizer step, and they alternate within one invocation (``--rounds``) so drift on the machine hits them alike:
+the bare recipe and the service (``-m service train``) under ``torchrun --standalone``, and the service under
+``ddp-service launch`` (the same agent; its workers forked from a fork server that has imported torch and the
+service while the agent rendezvoused). From the moment the agent's command is started to rank 0's first step
+done, each phase's end (medians over rounds):
 
 - the service: ``summary.json``'s ``startup`` (service/telemetry/startup.py): the worker's process start, the
   program's first line, its imports, the process group, the config and resume agreements, the runtime (lock,
@@ -11,7 +14,7 @@ alike. From the moment torchrun is started to rank 0's first step done, each pha
 - the bare recipe (the seed's: ``init_process_group``, ``DistributedSampler``, ``DDP``, a loop): the same marks
   where it has them.
 
-Prints the table, the ratio service / bare of the whole (target <= 1.1), and the service's own start-up work
+Prints the table, the ratio to bare of the whole for each service arm (target <= 1.1), and its own start-up work
 after its imports (from imported to its first step, less what the bare recipe spends on the same span; target
 < 1 s).
 
@@ -83,12 +86,15 @@ def run(mode: str, world: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+        job = ["--set", f"run_dir={tmp}/run", "--set", "train.max_steps=1", "--set",
+               f"task_options.train_size={TRAIN_SIZE}", "--set", "train.progress_bar=false"]  # fmt: skip
         if mode == "bare":
             out = Path(tmp) / "marks.json"
             cmd = [*torchrun, __file__, "--worker", str(out)]
-        else:
-            cmd = [*torchrun, "-m", "service", "train", "--set", f"run_dir={tmp}/run", "--set", "train.max_steps=1",
-                   "--set", f"task_options.train_size={TRAIN_SIZE}", "--set", "train.progress_bar=false"]  # fmt: skip
+        elif mode == "service":
+            cmd = [*torchrun, "-m", "service", "train", *job]
+        else:  # ddp-service launch: the same agent, workers forked from its preloaded fork server
+            cmd = [sys.executable, "-m", "service", "launch", f"--nproc-per-node={world}", *job]
         launched = time.time()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
@@ -110,9 +116,10 @@ def main() -> None:
     if args.worker:
         bare_worker(args.worker)
         return
-    samples: dict[str, list[dict[str, float]]] = {"bare": [], "service": []}
+    modes = ("bare", "service", "launch")
+    samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
-        for mode in ("bare", "service") if round_ % 2 == 0 else ("service", "bare"):
+        for mode in modes if round_ % 2 == 0 else modes[::-1]:
             samples[mode].append(run(mode, args.world))
         firsts = ", ".join(f"{mode} first step at {samples[mode][-1]['first_step']:.2f} s" for mode in samples)
         print(f"round {round_ + 1}/{args.rounds}: {firsts}", flush=True)
@@ -121,17 +128,19 @@ def main() -> None:
         values = [marks[phase] for marks in samples[mode] if phase in marks]
         return statistics.median(values) if values else None
 
-    print(f"\n{'phase ends (s from torchrun start)':<36}{'service':>10}{'bare':>10}")
+    print(f"\n{'phase ends (s from the agent start)':<36}{'service':>10}{'launch':>10}{'bare':>10}")
     for phase in PHASES:
-        cells = [median(mode, phase) for mode in ("service", "bare")]
+        cells = [median(mode, phase) for mode in ("service", "launch", "bare")]
         print(f"{phase:<36}" + "".join(f"{cell:>10.2f}" if cell is not None else f"{'-':>10}" for cell in cells))
-    service, bare = median("service", "first_step"), median("bare", "first_step")
-    own = (service - median("service", "imports")) - (bare - median("bare", "imports"))  # type: ignore[operator]
-    print(
-        f"\nto the first step: service {service:.2f} s, bare {bare:.2f} s: ratio {service / bare:.3f} "  # type: ignore[operator]
-        f"(target <= 1.1); the service's own work after its imports, beyond the bare recipe's: {own:.2f} s "
-        f"(target < 1 s); world {args.world}, {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}"
-    )
+    bare = median("bare", "first_step")
+    for mode in ("service", "launch"):
+        first = median(mode, "first_step")
+        own = (first - median(mode, "imports")) - (bare - median("bare", "imports"))  # type: ignore[operator]
+        print(
+            f"to the first step, {mode}: {first:.2f} s against bare {bare:.2f} s: ratio {first / bare:.3f} "  # type: ignore[operator]
+            f"(target <= 1.1); its own work after its imports, beyond the bare recipe's: {own:.2f} s (target < 1 s)"
+        )
+    print(f"world {args.world}, {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
