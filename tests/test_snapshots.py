@@ -7,25 +7,43 @@ tests/test_resume_e2e.py and tests/rendezvous/test_e2e.py.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, child_env, read_summary, run_job
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.config import JobConfig
-from service.state.checkpoint_io import FORMAT, load_state, scan, write_checkpoint
+from service.state.checkpoint_io import (
+    FORMAT,
+    load_state,
+    manifest_name,
+    read_verified,
+    scan,
+    state_name,
+    write_checkpoint,
+)
+from service.state.manifest import CHECKSUMS, save_without_crc32
 from service.state.resume import agree_on_checkpoint, config_hash
 from service.state.snapshot import Area, SnapshotWriter, build_snapshots, node_area
+from service.state.snapshot_interval import AGREE, BUDGET, MOST, SnapshotSchedule, interval_for, propose
+from service.world.distributed import largest_across
 
 HASH = config_hash(JobConfig())
 
@@ -68,7 +86,8 @@ def test_each_job_agent_and_run_dir_has_its_own_area_and_a_job_without_run_id_no
     assert len({base.path, *(other.path for other in others if other)}) == 4
     assert base.path.parent.name == f"ddp-service-{os.getuid()}"
     assert node_area(str(tmp_path), str(tmp_path / "run"), None) is None
-    assert isinstance(build_snapshots(base, 1, 0, HASH, "L", False), SnapshotWriter)  # a node's local rank 0
+    for on in (1, "auto"):
+        assert isinstance(build_snapshots(base, on, 0, HASH, "L", False), SnapshotWriter)  # a node's local rank 0
     for others in (build_snapshots(base, 1, 1, HASH, "L", False), build_snapshots(None, 1, 0, HASH, "L", False),
                    build_snapshots(base, 0, 0, HASH, "L", False)):  # fmt: skip
         assert not isinstance(others, SnapshotWriter)
@@ -137,7 +156,7 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
     torch.manual_seed(0)
     model, area = Net(), area_for(tmp_path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    writer = SnapshotWriter(area, 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area, HASH, "L", cuda=False)
     writer.preflight(model)
     expected = {}
     for step in range(1, 7):  # the 6th update is not snapshotted: it runs while the 5th is being copied
@@ -165,7 +184,7 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
 
 def test_too_little_shared_memory_turns_snapshots_off_with_a_warning_naming_the_fix(small_fs, caplog):
     root = small_fs(size="1m")
-    writer = SnapshotWriter(area_for(root), 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area_for(root), HASH, "L", cuda=False)
     writer.preflight(torch.nn.Linear(256, 256))  # 257 KiB of weights: 1.5 MiB for two snapshots with Adam's state
     writer.capture(1, lambda: state_at(1))
     writer.close()
@@ -179,7 +198,7 @@ WRITER = textwrap.dedent("""
     from service.state.checkpoint_io import FORMAT
     area = node_area(sys.argv[1], sys.argv[1] + "/run", "job-1", host="node-a", agent=4242)
     model = torch.nn.Linear(4096, 4096)  # 64 MiB: a copy long enough to be killed in
-    writer = SnapshotWriter(area, 1, "0" * 64, "L", cuda=False)
+    writer = SnapshotWriter(area, "0" * 64, "L", cuda=False)
     writer.preflight(model)
     for step in range(1, 1000):
         with torch.no_grad():
@@ -267,7 +286,7 @@ def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
 
 def test_a_state_the_loop_recorded_non_finite_is_never_snapshotted(tmp_path, caplog):
     """The loop hands its device record of the first bad step along (no host read per step); the writer drops it."""
-    writer = SnapshotWriter(area_for(tmp_path), 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area_for(tmp_path), HASH, "L", cuda=False)
     writer.preflight(torch.nn.Linear(2, 2))
     writer.capture(1, lambda: {**state_at(1), "first_bad": torch.tensor(-1)})
     writer._inflight.exception()
@@ -277,3 +296,254 @@ def test_a_state_the_loop_recorded_non_finite_is_never_snapshotted(tmp_path, cap
     assert [manifest.step for manifest, _ in scan(writer.area.path)] == [1] and not writer.enabled
     assert "the gradient norm at step 2 was not finite" in caplog.text
     assert "first_bad" not in load_state(next(scan(writer.area.path))[1], "snapshot")
+
+
+# --- the checksum kinds -------------------------------------------------------------------------------------------
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("kind", "zip_crc32"), [("sha256", True), ("xxh3_128", True), ("xxh3_128", False)])
+def test_each_checksum_kind_round_trips_and_catches_a_flipped_byte(tmp_path, kind, zip_crc32):
+    """A manifest names the kind it was written with, and only that one; the state reads back equal; one flipped
+    bit of the state file is caught by that kind's check."""
+    state = state_at(5, torch.nn.Linear(64, 64))
+    manifest = write_checkpoint(tmp_path, 5, state, HASH, "L", checksum=kind, zip_crc32=zip_crc32)
+    written = json.loads((tmp_path / manifest_name(5)).read_text())
+    assert manifest.checksum[0] == kind and kind in written
+    assert [name for name in CHECKSUMS if name in written] == [kind]  # one kind named, no null for the other
+    checked, payload = read_verified(tmp_path, 5)
+    assert checked.checksum == manifest.checksum and len(payload) == manifest.size
+    loaded = load_state(payload, "the checkpoint")
+    assert all(torch.equal(loaded["model"][key], value) for key, value in state["model"].items())
+    flip_byte(tmp_path / state_name(5))
+    with pytest.raises(ValueError, match=f"does not match the {kind} in its manifest"):
+        read_verified(tmp_path, 5)
+
+
+class Paused(io.RawIOBase):
+    """A file whose first write waits to be released: a save held in the middle of its archive."""
+
+    def __init__(self) -> None:
+        self.entered, self.released, self.data = threading.Event(), threading.Event(), bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.entered.set()
+        self.released.wait(30)
+        self.data += bytes(data)
+        return len(memoryview(data).cast("B"))
+
+
+def test_a_snapshot_has_no_zip_crc32_and_a_disk_checkpoint_written_meanwhile_keeps_its_own(tmp_path):
+    """A snapshot leaves torch.save's crc32 out per call: a disk checkpoint written while a snapshot is being
+    serialised (the async checkpointer's thread) still gets a zip archive whose every record's crc32 checks, and the
+    process's torch.save setting is untouched. (The process-wide switch, set_crc32_options, fails this.)"""
+    state = state_at(3, torch.nn.Linear(64, 64))
+    held = Paused()
+    thread = threading.Thread(target=save_without_crc32, args=(state, held))
+    thread.start()
+    try:
+        assert held.entered.wait(30)
+        write_checkpoint(tmp_path / "disk", 3, state, HASH, "L")  # meanwhile, a disk checkpoint
+        assert torch.serialization.get_crc32_options() is True
+    finally:
+        held.released.set()
+        thread.join()
+    assert zipfile.ZipFile(tmp_path / "disk" / state_name(3)).testzip() is None  # every record's crc32 checks
+    assert zipfile.ZipFile(io.BytesIO(bytes(held.data))).testzip() is not None  # the first record lacks its crc32
+    write_checkpoint(tmp_path / "snap", 3, state, HASH, "L", checksum="xxh3_128", zip_crc32=False)
+    assert zipfile.ZipFile(tmp_path / "snap" / state_name(3)).testzip() is not None
+    for loaded in (torch.load(io.BytesIO(bytes(held.data)), weights_only=True),
+                   load_state(read_verified(tmp_path / "snap", 3)[1], "the snapshot")):  # fmt: skip
+        assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+
+
+# A manifest exactly as the service wrote it before the checksum kinds (sha256 required, no other kind).
+OLD_MANIFEST = """{
+  "format": 1,
+  "step": 4,
+  "file": "step-00000004.pt",
+  "size": SIZE,
+  "sha256": "SHA256",
+  "config_hash": "HASH",
+  "torch": "2.13.0+cpu",
+  "service": "0.1.0",
+  "created": 1760000000.0,
+  "lineage": "L"
+}"""
+
+
+def test_an_old_sha256_manifest_still_loads_and_a_disk_checkpoint_still_writes_one(tmp_path, world_of_one):
+    """A checkpoint of an earlier version resumes; and a disk checkpoint's manifest has the old fields only, so an
+    earlier version (whose manifest forbids unknown fields) still reads it."""
+    buffer = io.BytesIO()
+    torch.save(state_at(4), buffer)
+    payload = buffer.getvalue()
+    (tmp_path / state_name(4)).write_bytes(payload)
+    old = OLD_MANIFEST.replace("SIZE", str(len(payload))).replace("SHA256", hashlib.sha256(payload).hexdigest())
+    (tmp_path / manifest_name(4)).write_text(old.replace("HASH", HASH))
+    resumed = agree_on_checkpoint(tmp_path, 0, 1, world_of_one, "auto")
+    assert resumed is not None and resumed.step == 4 and resumed.state["model"]["w"].tolist() == [4.0] * 4
+    write_checkpoint(tmp_path, 6, state_at(6), HASH, "L")
+    assert set(json.loads((tmp_path / manifest_name(6)).read_text())) == set(json.loads(old))
+
+
+@pytest.mark.parametrize("named", [(), ("sha256", "xxh3_128")], ids=["none", "two"])
+def test_a_manifest_naming_no_checksum_or_two_is_refused_with_the_reason(tmp_path, named, caplog):
+    payload = b"PK\x03\x04 not read"
+    (tmp_path / state_name(4)).write_bytes(payload)
+    digests = {"sha256": hashlib.sha256(payload).hexdigest(), "xxh3_128": "0" * 32}
+    manifest = json.loads(OLD_MANIFEST.replace("SIZE", str(len(payload))).replace("HASH", HASH))
+    del manifest["sha256"]
+    (tmp_path / manifest_name(4)).write_text(json.dumps({**manifest, **{kind: digests[kind] for kind in named}}))
+    with pytest.raises(ValueError) as info:
+        read_verified(tmp_path, 4)
+    reason = str(info.value)
+    assert "is not valid" in reason and "names exactly one checksum of its state file (sha256 or xxh3_128)" in reason
+    assert f"this one names {' and '.join(named) or 'none'}" in reason, reason
+    with caplog.at_level(logging.WARNING):
+        assert list(scan(tmp_path)) == []  # skipped with that warning, never loaded
+    assert "names exactly one checksum" in caplog.text
+
+
+# --- checkpoint.snapshot_every: auto ------------------------------------------------------------------------------
+
+
+class Clock:
+    """Time that moves only when a step is run: ``step_time`` seconds a step."""
+
+    def __init__(self, step_time: float) -> None:
+        self.now, self.step_time = 0.0, step_time
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_schedule(schedule: SnapshotSchedule, clock: Clock, steps: range) -> list[int]:
+    """The steps at which ``schedule`` says a snapshot is due, one boundary per step, ``clock`` moving between."""
+    due = []
+    for step in steps:
+        clock.now += clock.step_time
+        if schedule.due(step):
+            due.append(step)
+    return due
+
+
+def test_auto_times_clean_steps_probes_every_step_then_agrees_once_on_a_longer_interval_for_a_slower_snapshot():
+    """Steps 101-102 of a start at 100 are timed with no snapshot; 103-107 take one every step; at 108 each rank
+    proposes the interval that keeps its snapshots at 1% of the step time, and the largest proposal is used."""
+    chosen = {}
+    for name, costs in (("tiny", [0.004, 0.0005, 0.0006]), ("small", [0.05, 0.012, 0.010]),
+                        ("slow", [0.5, 0.21, 0.19])):  # fmt: skip
+        proposals: list[int] = []
+        clock = Clock(0.1)
+        schedule = SnapshotSchedule("auto", 100, lambda costs=costs: costs,
+                                    agree=lambda p, proposals=proposals: proposals.append(p) or p,
+                                    clock=clock)  # fmt: skip
+        due = run_schedule(schedule, clock, range(101, 2001))
+        assert due[:5] == [103, 104, 105, 106, 107] and 101 not in due and 102 not in due
+        assert len(proposals) == 1  # one agreement, at step 108
+        chosen[name] = (proposals[0], schedule.every, due[5:])
+        assert all(step >= 108 and step % schedule.every == 0 for step in due[5:])
+        assert schedule.step_time == pytest.approx(0.1) and schedule.cost == pytest.approx(statistics.median(costs[1:]))
+    assert chosen["tiny"][:2] == (1, 1) and chosen["tiny"][2][:3] == [108, 109, 110]  # still every step
+    assert chosen["small"][:2] == (11, 11)  # 11 ms / 11 <= 1% of 100 ms; 11 ms / 10 is not
+    assert chosen["slow"][:2] == (200, 200) and chosen["slow"][2] == [200, 400, 600, 800, 1000, 1200, 1400,
+                                                                      1600, 1800, 2000]  # fmt: skip
+
+
+def test_auto_takes_another_ranks_larger_choice_and_a_rank_without_snapshots_proposes_none():
+    proposals: list[int] = []
+    clock = Clock(0.1)
+    schedule = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: proposals.append(p) or max(p, 30), clock=clock)
+    due = run_schedule(schedule, clock, range(1, 121))
+    assert proposals == [0] and schedule.every == 30 and due == [3, 4, 5, 6, 7, 30, 60, 90, 120]
+    off = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: p, clock=clock)  # no rank keeps any
+    assert run_schedule(off, clock, range(1, 200)) == [3, 4, 5, 6, 7] and off.every == 0
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, list(range(1, 13))), (4, [4, 8, 12]), (0, [])])
+def test_a_fixed_snapshot_every_is_every_nth_step_with_no_timing_and_no_agreement(every, expected):
+    def agree(proposal: int) -> int:
+        raise AssertionError("a fixed interval needs no collective")
+
+    schedule = SnapshotSchedule(every, 0, lambda: [0.5], agree=agree, sync=lambda: agree(0))
+    assert run_schedule(schedule, Clock(0.1), range(1, 13)) == expected
+
+
+finite = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
+
+
+@given(cost=finite, step_time=st.floats(min_value=1e-6, max_value=1e3), slower=finite)
+def test_interval_for_keeps_the_cost_at_one_percent_whenever_it_can_with_the_shortest_such_interval(
+    cost, step_time, slower
+):
+    interval = interval_for(cost, step_time)
+    allowed = BUDGET * step_time
+    assert 1 <= interval <= MOST
+    if cost / MOST <= allowed:  # achievable within the longest interval auto takes
+        assert cost / interval <= allowed
+    else:
+        assert interval == MOST
+    assert interval == 1 or cost / (interval - 1) > allowed  # none shorter would do
+    assert interval_for(cost + slower, step_time) >= interval  # a slower snapshot: never a shorter interval
+
+
+@given(nodes=st.lists(st.tuples(st.floats(min_value=1e-5, max_value=10.0), st.floats(min_value=1e-3, max_value=10.0)),
+                      min_size=1, max_size=8))  # fmt: skip
+def test_the_largest_proposal_keeps_every_node_within_its_budget(nodes):
+    """Each node measures its own cost and step time; the agreed (largest) interval holds every node to 1%."""
+    proposals = [propose([cost], step_time) for cost, step_time in nodes]
+    agreed = max(proposals)
+    for cost, step_time in nodes:
+        if cost / MOST <= BUDGET * step_time:
+            assert cost / agreed <= BUDGET * step_time
+
+
+def test_the_writer_measures_a_bigger_snapshot_as_costlier_and_auto_picks_a_longer_interval_for_it(tmp_path):
+    """Real snapshots, real costs (the writer's own measure): a 64 MiB model against a tiny one, at the same
+    (controlled) step time."""
+    chosen = {}
+    for name, model in (("tiny", torch.nn.Linear(8, 8)), ("big", torch.nn.Linear(4096, 4096))):
+        writer = SnapshotWriter(area_for(tmp_path, run_id=name), HASH, "L", cuda=False)
+        writer.preflight(model)
+        clock = Clock(0.5)
+        schedule = SnapshotSchedule("auto", 0, writer.measured, agree=lambda p: p, clock=clock)
+        for step in range(1, AGREE + 1):
+            clock.now += clock.step_time
+            if schedule.due(step):
+                writer.capture(step, lambda step=step, model=model: {**state_at(step), "model": model.state_dict()})
+            writer.before_update()
+        writer.close()
+        assert writer.written >= 1 and schedule.cost is not None and schedule.cost > 0
+        chosen[name] = (schedule.cost, schedule.every)
+    assert chosen["big"][0] > 5 * chosen["tiny"][0] and chosen["big"][1] > chosen["tiny"][1], chosen
+
+
+def _schedule_as(rank: int, store: str, results: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        costs = [0.3, 0.2, 0.2] if rank == 0 else []  # rank 0 writes its node's snapshots; rank 1 none
+        clock = Clock(0.1 if rank == 0 else 0.05)
+        schedule = SnapshotSchedule("auto", 40, lambda: costs, agree=largest_across(None), clock=clock)
+        due = run_schedule(schedule, clock, range(41, 1001))
+        Path(results, f"rank{rank}.json").write_text(json.dumps({"every": schedule.every, "due": due}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_agrees_on_the_same_interval_in_one_collective(tmp_path):
+    """Two real ranks over gloo: the one that writes proposes 200 (200 ms a snapshot, 100 ms a step), the other 0;
+    both take 200, so they gather and snapshot at the same steps."""
+    (tmp_path / "results").mkdir()
+    torch.multiprocessing.start_processes(_schedule_as, args=(str(tmp_path / "store"), str(tmp_path / "results")),
+                                          nprocs=2, start_method="spawn")  # fmt: skip
+    ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1] == {"every": 200, "due": [43, 44, 45, 46, 47, 200, 400, 600, 800, 1000]}
