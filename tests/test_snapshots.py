@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -42,7 +41,15 @@ from service.state.checkpoint_io import (
 from service.state.manifest import CHECKSUMS, save_without_crc32
 from service.state.resume import agree_on_checkpoint, config_hash
 from service.state.snapshot import Area, SnapshotWriter, build_snapshots, node_area
-from service.state.snapshot_interval import AGREE, BUDGET, MOST, SnapshotSchedule, interval_for, propose
+from service.state.snapshot_interval import (
+    AGREE,
+    BUDGET,
+    MOST,
+    SnapshotSchedule,
+    interval_for,
+    propose,
+    typical_cost,
+)
 from service.world.distributed import largest_across
 
 HASH = config_hash(JobConfig())
@@ -258,13 +265,23 @@ def _agree_as(rank: int, root: str, store: str, results: str) -> None:
         resumed = agree_on_checkpoint(Path(root) / f"disk{rank}", rank, 2, None, "auto", snapshots=area.readable())
         assert resumed is not None
         weights = resumed.state["model"]["w"].tolist()
-        Path(results, f"rank{rank}.json").write_text(json.dumps({**resumed.describe(), "w": weights}))
+        # Then the snapshot interval: rank 0 writes its node's snapshots (200 ms each, 100 ms a step: every 200), the
+        # other writes none (it proposes 0, and steps faster); one all-reduce.
+        costs = [(0.0, 0.3), (0.0, 0.2), (0.0, 0.2)] if rank == 0 else []
+        clock = Clock(0.1 if rank == 0 else 0.05)
+        schedule = SnapshotSchedule("auto", resumed.step, lambda: costs, agree=largest_across(None), clock=clock,
+                                    cpu_clock=lambda: clock.now)  # fmt: skip
+        due = run_schedule(schedule, clock, range(resumed.step + 1, 1001))
+        Path(results, f"rank{rank}.json").write_text(json.dumps({**resumed.describe(), "w": weights,
+                                                                 "every": schedule.every, "due": due}))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
-def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(tmp_path):
-    """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7."""
+def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_both_agree_on_one_snapshot_interval(tmp_path):
+    """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7. Then
+    every rank takes the largest rank's choice of snapshot interval, in one collective: they gather and snapshot at
+    the same steps."""
     plant(area_for(tmp_path / "node0"), 7)
     write_checkpoint(tmp_path / "disk1", 3, state_at(3), HASH, "L")
     (tmp_path / "results").mkdir()
@@ -273,6 +290,7 @@ def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(
     ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["step"], r["source"], r["peer"]) for r in ranks] == [(7, "snapshot", None), (7, "snapshot_from_peer", 0)]
     assert ranks[0]["w"] == ranks[1]["w"] == [7.0] * 4
+    assert [(r["every"], r["due"]) for r in ranks] == [(200, [10, 11, 12, 13, 14, 200, 400, 600, 800, 1000])] * 2
 
 
 def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
@@ -437,26 +455,48 @@ def run_schedule(schedule: SnapshotSchedule, clock: Clock, steps: range) -> list
 
 
 def test_auto_times_clean_steps_probes_every_step_then_agrees_once_on_a_longer_interval_for_a_slower_snapshot():
-    """Steps 101-102 of a start at 100 are timed with no snapshot; 103-107 take one every step; at 108 each rank
-    proposes the interval that keeps its snapshots at 1% of the step time, and the largest proposal is used."""
+    """Steps 101-102 of a start at 100 are timed with no snapshot; 103-107 take one every step; at 108 the rank
+    proposes the shortest interval that keeps its snapshots at 1% of the step time, and the agreed one is used."""
     chosen = {}
-    for name, costs in (("tiny", [0.004, 0.0005, 0.0006]), ("small", [0.05, 0.012, 0.010]),
-                        ("slow", [0.5, 0.21, 0.19])):  # fmt: skip
+    for name, background in (("tiny", 0.0006), ("small", 0.010), ("slow", 0.19)):
+        costs = [(0.001, 0.5), (0.0005, background), (0.0005, background * 1.2)]  # the first: buffers allocated
         proposals: list[int] = []
         clock = Clock(0.1)
         schedule = SnapshotSchedule("auto", 100, lambda costs=costs: costs,
-                                    agree=lambda p, proposals=proposals: proposals.append(p) or p,
-                                    clock=clock)  # fmt: skip
+                                    agree=lambda p, proposals=proposals: proposals.append(p) or p, clock=clock,
+                                    cpu_clock=lambda clock=clock: clock.now * 2, cpus=2)  # fmt: skip
         due = run_schedule(schedule, clock, range(101, 2001))
         assert due[:5] == [103, 104, 105, 106, 107] and 101 not in due and 102 not in due
         assert len(proposals) == 1  # one agreement, at step 108
-        chosen[name] = (proposals[0], schedule.every, due[5:])
         assert all(step >= 108 and step % schedule.every == 0 for step in due[5:])
-        assert schedule.step_time == pytest.approx(0.1) and schedule.cost == pytest.approx(statistics.median(costs[1:]))
-    assert chosen["tiny"][:2] == (1, 1) and chosen["tiny"][2][:3] == [108, 109, 110]  # still every step
-    assert chosen["small"][:2] == (11, 11)  # 11 ms / 11 <= 1% of 100 ms; 11 ms / 10 is not
-    assert chosen["slow"][:2] == (200, 200) and chosen["slow"][2] == [200, 400, 600, 800, 1000, 1200, 1400,
-                                                                      1600, 1800, 2000]  # fmt: skip
+        assert schedule.step_time == pytest.approx(0.1) and schedule.busy == pytest.approx(1.0)
+        assert schedule.cost == pytest.approx(0.0005 + background * 1.1)  # the median, the first left out
+        chosen[name] = (proposals[0], schedule.every, due[5:])
+    assert chosen["tiny"][:2] == (2, 2)  # 1.16 ms: over 1 ms a step, under it every other step
+    assert chosen["small"][:2] == (12, 12)  # 11.5 ms / 12 <= 1% of 100 ms; 11.5 ms / 11 is not
+    assert chosen["slow"][:2] == (210, 210) and chosen["slow"][2] == [210 * k for k in range(1, 10)]
+
+
+def test_a_snapshot_costs_the_steps_its_background_cpu_only_in_the_share_the_training_keeps_busy():
+    """The same snapshot (1 ms on the training thread, 50 ms of background CPU) at a 1 s step: on a node whose CPUs
+    all train it costs 51 ms (every 6 steps); where the training keeps a tenth of them busy (a GPU node's host),
+    6 ms (every step); the ranks on a node share its CPUs."""
+    costs = [(0.001, 0.05)] * 3
+    for cpu_per_second, ranks_here, cpus, every in ((4.0, 1, 4, 6), (0.4, 1, 4, 1), (0.5, 8, 4, 6), (0.2, 2, 16, 1)):
+        clock = Clock(1.0)
+        schedule = SnapshotSchedule(
+            "auto",
+            0,
+            lambda: costs,
+            agree=lambda p: p,
+            ranks_here=ranks_here,
+            cpus=cpus,
+            clock=clock,
+            cpu_clock=lambda clock=clock, rate=cpu_per_second: clock.now * rate,
+        )
+        run_schedule(schedule, clock, range(1, AGREE + 1))
+        assert schedule.busy == pytest.approx(min(1.0, cpu_per_second * ranks_here / cpus))
+        assert schedule.every == every, (cpu_per_second, ranks_here, cpus, schedule.cost)
 
 
 def test_auto_takes_another_ranks_larger_choice_and_a_rank_without_snapshots_proposes_none():
@@ -474,7 +514,7 @@ def test_a_fixed_snapshot_every_is_every_nth_step_with_no_timing_and_no_agreemen
     def agree(proposal: int) -> int:
         raise AssertionError("a fixed interval needs no collective")
 
-    schedule = SnapshotSchedule(every, 0, lambda: [0.5], agree=agree, sync=lambda: agree(0))
+    schedule = SnapshotSchedule(every, 0, lambda: [(0.0, 0.5)], agree=agree, sync=lambda: agree(0))
     assert run_schedule(schedule, Clock(0.1), range(1, 13)) == expected
 
 
@@ -496,26 +536,31 @@ def test_interval_for_keeps_the_cost_at_one_percent_whenever_it_can_with_the_sho
     assert interval_for(cost + slower, step_time) >= interval  # a slower snapshot: never a shorter interval
 
 
-@given(nodes=st.lists(st.tuples(st.floats(min_value=1e-5, max_value=10.0), st.floats(min_value=1e-3, max_value=10.0)),
+@given(nodes=st.lists(st.tuples(st.floats(min_value=1e-5, max_value=10.0), st.floats(min_value=0.0, max_value=10.0),
+                                st.floats(min_value=1e-3, max_value=10.0), st.floats(min_value=0.0, max_value=1.0)),
                       min_size=1, max_size=8))  # fmt: skip
 def test_the_largest_proposal_keeps_every_node_within_its_budget(nodes):
-    """Each node measures its own cost and step time; the agreed (largest) interval holds every node to 1%."""
-    proposals = [propose([cost], step_time) for cost, step_time in nodes]
+    """Each node measures its own costs, step time and busy share; the agreed (largest) interval holds every node's
+    snapshots to 1% of its step time."""
+    proposals = [propose([(blocked, background)], step_time, busy) for blocked, background, step_time, busy in nodes]
     agreed = max(proposals)
-    for cost, step_time in nodes:
+    assert agreed >= 1
+    for blocked, background, step_time, busy in nodes:
+        cost = typical_cost([(blocked, background)], busy)
         if cost / MOST <= BUDGET * step_time:
             assert cost / agreed <= BUDGET * step_time
 
 
 def test_the_writer_measures_a_bigger_snapshot_as_costlier_and_auto_picks_a_longer_interval_for_it(tmp_path):
     """Real snapshots, real costs (the writer's own measure): a 64 MiB model against a tiny one, at the same
-    (controlled) step time."""
+    (controlled) step time and CPU use."""
     chosen = {}
     for name, model in (("tiny", torch.nn.Linear(8, 8)), ("big", torch.nn.Linear(4096, 4096))):
         writer = SnapshotWriter(area_for(tmp_path, run_id=name), HASH, "L", cuda=False)
         writer.preflight(model)
         clock = Clock(0.5)
-        schedule = SnapshotSchedule("auto", 0, writer.measured, agree=lambda p: p, clock=clock)
+        schedule = SnapshotSchedule("auto", 0, writer.measured, agree=lambda p: p, clock=clock,
+                                    cpu_clock=lambda clock=clock: clock.now)  # fmt: skip
         for step in range(1, AGREE + 1):
             clock.now += clock.step_time
             if schedule.due(step):
@@ -523,27 +568,6 @@ def test_the_writer_measures_a_bigger_snapshot_as_costlier_and_auto_picks_a_long
             writer.before_update()
         writer.close()
         assert writer.written >= 1 and schedule.cost is not None and schedule.cost > 0
+        assert all(blocked >= 0 and background > 0 for blocked, background in writer.measured())
         chosen[name] = (schedule.cost, schedule.every)
     assert chosen["big"][0] > 5 * chosen["tiny"][0] and chosen["big"][1] > chosen["tiny"][1], chosen
-
-
-def _schedule_as(rank: int, store: str, results: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
-        costs = [0.3, 0.2, 0.2] if rank == 0 else []  # rank 0 writes its node's snapshots; rank 1 none
-        clock = Clock(0.1 if rank == 0 else 0.05)
-        schedule = SnapshotSchedule("auto", 40, lambda: costs, agree=largest_across(None), clock=clock)
-        due = run_schedule(schedule, clock, range(41, 1001))
-        Path(results, f"rank{rank}.json").write_text(json.dumps({"every": schedule.every, "due": due}))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_every_rank_agrees_on_the_same_interval_in_one_collective(tmp_path):
-    """Two real ranks over gloo: the one that writes proposes 200 (200 ms a snapshot, 100 ms a step), the other 0;
-    both take 200, so they gather and snapshot at the same steps."""
-    (tmp_path / "results").mkdir()
-    torch.multiprocessing.start_processes(_schedule_as, args=(str(tmp_path / "store"), str(tmp_path / "results")),
-                                          nprocs=2, start_method="spawn")  # fmt: skip
-    ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert ranks[0] == ranks[1] == {"every": 200, "due": [43, 44, 45, 46, 47, 200, 400, 600, 800, 1000]}

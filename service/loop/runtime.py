@@ -41,7 +41,7 @@ from service.state.preemption import Preemption
 from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
 from service.state.resume import rng_state as saved_rng_state
 from service.state.snapshot import node_area
-from service.state.snapshot_interval import SnapshotSchedule
+from service.state.snapshot_interval import SnapshotSchedule, usable_cpus
 from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import StepReport
 from service.world.distributed import (
@@ -110,6 +110,7 @@ class Runtime:
         self.snapshot_schedule = SnapshotSchedule(
             config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
             agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
+            ranks_here=world.local_world_size, cpus=usable_cpus(),
         )  # fmt: skip
         self.window = Window(self.device, sum_across(self.control),
                              lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip

@@ -184,9 +184,10 @@ class Snapshots:
     def before_update(self) -> None:
         """Called before each optimizer update: the snapshot's copy of the weights must be done by then."""
 
-    def measured(self) -> list[float]:
-        """The whole cost to this process of each recent snapshot, in seconds (waits for one in flight): its part
-        at the step boundary, the wait for its copy before the next update, and the writer thread's CPU time."""
+    def measured(self) -> list[tuple[float, float]]:
+        """What each recent snapshot cost, in seconds (waits for one in flight): its time on the training thread
+        (its part at the step boundary, the wait for its copy before the next update) and the CPU time of its
+        background work (staging, serialisation, checksum, write)."""
         return []
 
     def discard(self) -> None:
@@ -217,7 +218,7 @@ class SnapshotWriter(Snapshots):
         self._copied.set()
         self._ready: Any = None  # on CUDA: the side stream's event after the copy
         self._side = torch.cuda.Stream() if cuda else None
-        self.costs: deque[float] = deque(maxlen=16)  # seconds per snapshot (see measured)
+        self.costs: deque[tuple[float, float]] = deque(maxlen=16)  # per snapshot (see measured)
         self._boundary = self._waited = 0.0  # the snapshot in flight's time on the training thread
 
     def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
@@ -272,7 +273,7 @@ class SnapshotWriter(Snapshots):
         if self._ready is not None:
             torch.cuda.current_stream().wait_event(self._ready)  # on the device: no host sync
 
-    def measured(self) -> list[float]:
+    def measured(self) -> list[tuple[float, float]]:
         if self._inflight is not None:
             self._inflight.exception()
             self._collect()
@@ -316,7 +317,7 @@ class SnapshotWriter(Snapshots):
         if error is not None:
             self._turn_off(f"the last snapshot failed ({error})")
         elif future is not None:
-            self.costs.append(self._boundary + self._waited + future.result())
+            self.costs.append((self._boundary + self._waited, future.result()))
 
     def discard(self) -> None:
         self.close()
