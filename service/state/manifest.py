@@ -98,10 +98,11 @@ def save_without_crc32(state: Any, file: BinaryIO) -> None:
     """``torch.save(state, file)``, but with no crc32 in the zip's records: for a file whose manifest's checksum
     covers every byte (a snapshot: the crc32 was a fifth of its CPU). ``torch.load`` reads it as any other.
 
-    Per call, not through ``torch.serialization.set_crc32_options``: that flag is process-wide, and a disk checkpoint
-    written by the async checkpointer's thread, or a script's own ``torch.save``, at the same moment would lose its
-    crc32 too. This builds torch.save's own zip writer (``PyTorchFileWriter``, with ``compute_crc32=False``) and
-    runs its ``_save`` into it; a torch whose private serialization API differs gets a plain ``torch.save``."""
+    Per call, not through ``torch.serialization.set_crc32_options``: torch 2.13 keeps that setting per thread, but
+    earlier versions this package supports keep it for the whole process, where a disk checkpoint written by the
+    async checkpointer's thread, or a script's own ``torch.save``, at the same moment would lose its crc32 too. This
+    builds torch.save's own zip writer (``PyTorchFileWriter``, with ``compute_crc32=False``) and runs its ``_save``
+    into it; a torch whose private serialization API differs gets a plain ``torch.save`` (its crc32 kept)."""
     serialization = torch.serialization
     writer_type = getattr(torch._C, "PyTorchFileWriter", None)
     save = getattr(serialization, "_save", None)
