@@ -158,8 +158,8 @@ class SnapshotSchedule:
         proposal = propose(costs, self.step_time, self.busy)
         self.every = self.agree(proposal)
         self.decided = True
-        if not self.every:
-            log.info("no in-memory snapshots from step %d: no node keeps any (checkpoint.snapshot_every=auto)", step)
+        if not self.every:  # no run id (nothing restarts the workers in place), or no room on any node: said before
+            log.debug("no in-memory snapshots from step %d: no node keeps any (checkpoint.snapshot_every=auto)", step)
         elif self.cost is None or self.step_time is None:
             log.info("in-memory snapshots every %d steps from step %d (checkpoint.snapshot_every=auto, the nodes' "
                      "choice; this rank writes none)", self.every, step)  # fmt: skip
