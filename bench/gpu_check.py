@@ -12,6 +12,10 @@ others, and rows that would start after ``--budget`` seconds say so. Rows:
 * ``example ...``: each bring-your-own example (``examples/*.yaml``) for a few steps on the device;
 * ``async checkpoint``: a periodic save staged through pinned memory holds the same weights as a
   synchronous save of that step in a second run;
+* ``snapshot copy``: ``bench/snapshot.py --parts breakdown`` on the device: the in-memory snapshot's
+  device-to-host copy of the 101 MB MLP with AdamW (302 MB, into pinned buffers on a side stream) and its GB/s,
+  one snapshot's cost through the real writer (its time on the training thread, its background CPU), and that
+  what it wrote is the state of its step though the next step's forward, backward and update ran meanwhile;
 * ``nccl world 1``, ``nccl 2 ranks / 1 GPU``: a plain NCCL all-reduce at world size 1, and at 2 processes on
   one device (NCCL normally refuses two ranks on one device: the row records what happens);
 * ``service 2 ranks / 1 GPU``: what the service does when started with more processes than devices;
@@ -301,6 +305,7 @@ def bench(script: str, args: list[str], pattern: str, timeout: float) -> Callabl
 
 OVERHEAD = r"throughput ratio service/bare[^:]*: [\d.]+"  # "... (builtin task): 0.987 (target >= 0.99)"
 STALL = r"stall ratio async/sync: [\d.]+"
+SNAPSHOT = r"snapshot on cuda: .* it holds the state of its step: yes"
 SHORT = ["--rounds", "1", "--epochs", "2"]
 ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("cuda device", cuda_device),
@@ -313,6 +318,7 @@ ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("example nanogpt", example("nanogpt")),
     ("example word_lm", example("word_lm")),
     ("async checkpoint (pinned)", async_checkpoint),
+    ("snapshot copy (pinned, side stream)", bench("bench/snapshot.py", ["--parts", "breakdown"], SNAPSHOT, 120)),
     ("nccl world 1", nccl(1)),
     ("nccl 2 ranks / 1 GPU", nccl(2)),
     ("service 2 ranks / 1 GPU", service_two_ranks),

@@ -105,6 +105,19 @@ def _hang_timeout(value: Any) -> float | str:
 HangTimeout = Annotated[float | Literal["auto"], PlainValidator(_hang_timeout)]
 
 
+def _snapshot_every(value: Any) -> int | str:
+    """``auto``, or a whole number of steps (0: off): one error naming the fix."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be auto (an interval that keeps the snapshots' cost at 1% of the step time or less, "
+                         "every step where that holds) or a whole number of steps, 0 for none, e.g. 1")  # fmt: skip
+    return value
+
+
+SnapshotEvery = Annotated[int | Literal["auto"], PlainValidator(_snapshot_every)]
+
+
 def _within(low: int, high: int, fix: str) -> BeforeValidator:
     """Refuse a number outside ``low..high`` before pydantic's int parsing (``1.0e+23`` would overflow it)."""
 
@@ -226,8 +239,10 @@ class CheckpointConfig(_Section):
     best: BestConfig | None = Field(
         None, description="Keep the best evaluated checkpoint apart from pruning; null: off."
     )
-    snapshot_every: int = Field(
-        1, ge=0, description="Keep the state of every N optimizer steps in node-local shared memory; 0: off."
+    snapshot_every: SnapshotEvery = Field(
+        "auto",
+        description="Keep the state of every N-th optimizer step in node-local shared memory; 0: off; auto: the N "
+        "that keeps their cost at 1% of the step time or less, measured at the start (every step for small models).",
     )
     snapshot_dir: str = Field(
         "/dev/shm", min_length=1, description="The shared-memory file system that holds the snapshots (a tmpfs)."

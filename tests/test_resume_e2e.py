@@ -157,6 +157,11 @@ def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(
     assert summary["restarts"] == 1 and summary["status"] == "completed"
     resumed = summary["resumed_from"]
     assert resumed["source"] == "snapshot" and completed - 1 <= resumed["step"] <= completed + 1, (resumed, completed)
+    # checkpoint.snapshot_every=auto (the default): a snapshot every step until 8 steps into each start (the kill
+    # came at step 6), then the interval every rank agreed on, which the summary and the log name
+    agreed = re.findall(r"\[rank 0\] INFO in-memory snapshots every (\d+) steps from step (\d+)", watcher.text())
+    assert agreed and int(agreed[-1][1]) == resumed["step"] + 8, agreed
+    assert summary["snapshots"]["every"] == int(agreed[-1][0]) >= 1, summary["snapshots"]
     if not load:
         straight = read_summary(straight_dir)
         assert summary["model_digest"] == straight["model_digest"]

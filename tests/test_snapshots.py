@@ -7,6 +7,8 @@ tests/test_resume_e2e.py and tests/rendezvous/test_e2e.py.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -14,18 +16,41 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, child_env, read_summary, run_job
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.config import JobConfig
-from service.state.checkpoint_io import FORMAT, load_state, scan, write_checkpoint
+from service.state.checkpoint_io import (
+    FORMAT,
+    load_state,
+    manifest_name,
+    read_verified,
+    scan,
+    state_name,
+    write_checkpoint,
+)
+from service.state.manifest import CHECKSUMS, save_without_crc32
 from service.state.resume import agree_on_checkpoint, config_hash
 from service.state.snapshot import Area, SnapshotWriter, build_snapshots, node_area
+from service.state.snapshot_interval import (
+    AGREE,
+    BUDGET,
+    MOST,
+    SnapshotSchedule,
+    interval_for,
+    propose,
+    typical_cost,
+)
+from service.world.distributed import largest_across
 
 HASH = config_hash(JobConfig())
 
@@ -68,7 +93,8 @@ def test_each_job_agent_and_run_dir_has_its_own_area_and_a_job_without_run_id_no
     assert len({base.path, *(other.path for other in others if other)}) == 4
     assert base.path.parent.name == f"ddp-service-{os.getuid()}"
     assert node_area(str(tmp_path), str(tmp_path / "run"), None) is None
-    assert isinstance(build_snapshots(base, 1, 0, HASH, "L", False), SnapshotWriter)  # a node's local rank 0
+    for on in (1, "auto"):
+        assert isinstance(build_snapshots(base, on, 0, HASH, "L", False), SnapshotWriter)  # a node's local rank 0
     for others in (build_snapshots(base, 1, 1, HASH, "L", False), build_snapshots(None, 1, 0, HASH, "L", False),
                    build_snapshots(base, 0, 0, HASH, "L", False)):  # fmt: skip
         assert not isinstance(others, SnapshotWriter)
@@ -142,7 +168,7 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
     torch.manual_seed(0)
     model, area = Net(), area_for(tmp_path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    writer = SnapshotWriter(area, 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area, HASH, "L", cuda=False)
     writer.preflight(model)
     expected = {}
     for step in range(1, 7):  # the 6th update is not snapshotted: it runs while the 5th is being copied
@@ -190,7 +216,7 @@ def test_with_snapshot_every_three_only_every_third_step_is_snapshotted(tmp_path
 
 def test_too_little_shared_memory_turns_snapshots_off_with_a_warning_naming_the_fix(small_fs, caplog):
     root = small_fs(size="1m")
-    writer = SnapshotWriter(area_for(root), 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area_for(root), HASH, "L", cuda=False)
     writer.preflight(torch.nn.Linear(256, 256))  # 257 KiB of weights: 1.5 MiB for two snapshots with Adam's state
     writer.capture(1, lambda: state_at(1))
     writer.close()
@@ -204,7 +230,7 @@ WRITER = textwrap.dedent("""
     from service.state.checkpoint_io import FORMAT
     area = node_area(sys.argv[1], sys.argv[1] + "/run", "job-1", host="node-a", agent=4242)
     model = torch.nn.Linear(4096, 4096)  # 64 MiB: a copy long enough to be killed in
-    writer = SnapshotWriter(area, 1, "0" * 64, "L", cuda=False)
+    writer = SnapshotWriter(area, "0" * 64, "L", cuda=False)
     writer.preflight(model)
     for step in range(1, 1000):
         with torch.no_grad():
@@ -264,13 +290,23 @@ def _agree_as(rank: int, root: str, store: str, results: str) -> None:
         resumed = agree_on_checkpoint(Path(root) / f"disk{rank}", rank, 2, None, "auto", snapshots=area.readable())
         assert resumed is not None
         weights = resumed.state["model"]["w"].tolist()
-        Path(results, f"rank{rank}.json").write_text(json.dumps({**resumed.describe(), "w": weights}))
+        # Then the snapshot interval: rank 0 writes its node's snapshots (200 ms each, 100 ms a step: every 200), the
+        # other writes none (it proposes 0, and steps faster); one all-reduce.
+        costs = [(0.0, 0.3), (0.0, 0.2), (0.0, 0.2)] if rank == 0 else []
+        clock = Clock(0.1 if rank == 0 else 0.05)
+        schedule = SnapshotSchedule("auto", resumed.step, lambda: costs, agree=largest_across(None), clock=clock,
+                                    cpu_clock=lambda: clock.now)  # fmt: skip
+        due = run_schedule(schedule, clock, range(resumed.step + 1, 1001))
+        Path(results, f"rank{rank}.json").write_text(json.dumps({**resumed.describe(), "w": weights,
+                                                                 "every": schedule.every, "due": due}))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
-def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(tmp_path):
-    """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7."""
+def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_both_agree_on_one_snapshot_interval(tmp_path):
+    """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7. Then
+    every rank takes the largest rank's choice of snapshot interval, in one collective: they gather and snapshot at
+    the same steps."""
     plant(area_for(tmp_path / "node0"), 7)
     write_checkpoint(tmp_path / "disk1", 3, state_at(3), HASH, "L")
     (tmp_path / "results").mkdir()
@@ -279,6 +315,7 @@ def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_says_so(
     ranks = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["step"], r["source"], r["peer"]) for r in ranks] == [(7, "snapshot", None), (7, "snapshot_from_peer", 0)]
     assert ranks[0]["w"] == ranks[1]["w"] == [7.0] * 4
+    assert [(r["every"], r["due"]) for r in ranks] == [(200, [10, 11, 12, 13, 14, 200, 400, 600, 800, 1000])] * 2
 
 
 def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
@@ -292,7 +329,7 @@ def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
 
 def test_a_state_the_loop_recorded_non_finite_is_never_snapshotted(tmp_path, caplog):
     """The loop hands its device record of the first bad step along (no host read per step); the writer drops it."""
-    writer = SnapshotWriter(area_for(tmp_path), 1, HASH, "L", cuda=False)
+    writer = SnapshotWriter(area_for(tmp_path), HASH, "L", cuda=False)
     writer.preflight(torch.nn.Linear(2, 2))
     writer.capture(1, lambda: {**state_at(1), "first_bad": torch.tensor(-1)})
     writer._inflight.exception()
@@ -302,3 +339,260 @@ def test_a_state_the_loop_recorded_non_finite_is_never_snapshotted(tmp_path, cap
     assert [manifest.step for manifest, _ in scan(writer.area.path)] == [1] and not writer.enabled
     assert "the gradient norm at step 2 was not finite" in caplog.text
     assert "first_bad" not in load_state(next(scan(writer.area.path))[1], "snapshot")
+
+
+# --- the checksum kinds -------------------------------------------------------------------------------------------
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("kind", "zip_crc32"), [("sha256", True), ("xxh3_128", True), ("xxh3_128", False)])
+def test_each_checksum_kind_round_trips_and_catches_a_flipped_byte(tmp_path, kind, zip_crc32):
+    """A manifest names the kind it was written with, and only that one; the state reads back equal; one flipped
+    bit of the state file is caught by that kind's check."""
+    state = state_at(5, torch.nn.Linear(64, 64))
+    manifest = write_checkpoint(tmp_path, 5, state, HASH, "L", checksum=kind, zip_crc32=zip_crc32)
+    written = json.loads((tmp_path / manifest_name(5)).read_text())
+    assert manifest.checksum[0] == kind and kind in written
+    assert [name for name in CHECKSUMS if name in written] == [kind]  # one kind named, no null for the other
+    checked, payload = read_verified(tmp_path, 5)
+    assert checked.checksum == manifest.checksum and len(payload) == manifest.size
+    loaded = load_state(payload, "the checkpoint")
+    assert all(torch.equal(loaded["model"][key], value) for key, value in state["model"].items())
+    flip_byte(tmp_path / state_name(5))
+    with pytest.raises(ValueError, match=f"does not match the {kind} in its manifest"):
+        read_verified(tmp_path, 5)
+
+
+class Paused(io.RawIOBase):
+    """A file whose first write waits to be released: a save held in the middle of its archive."""
+
+    def __init__(self) -> None:
+        self.entered, self.released, self.data = threading.Event(), threading.Event(), bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.entered.set()
+        self.released.wait(30)
+        self.data += bytes(data)
+        return len(memoryview(data).cast("B"))
+
+
+def test_a_snapshot_has_no_zip_crc32_and_a_disk_checkpoint_written_meanwhile_keeps_its_own(tmp_path):
+    """A snapshot leaves torch.save's crc32 out per call: a disk checkpoint written while a snapshot is being
+    serialised (the async checkpointer's thread) still gets a zip archive whose every record's crc32 checks, and the
+    process's torch.save setting is untouched. (The process-wide switch, set_crc32_options, fails this.)"""
+    state = state_at(3, torch.nn.Linear(64, 64))
+    held = Paused()
+    thread = threading.Thread(target=save_without_crc32, args=(state, held))
+    thread.start()
+    try:
+        assert held.entered.wait(30)
+        write_checkpoint(tmp_path / "disk", 3, state, HASH, "L")  # meanwhile, a disk checkpoint
+        assert torch.serialization.get_crc32_options() is True
+    finally:
+        held.released.set()
+        thread.join()
+    assert zipfile.ZipFile(tmp_path / "disk" / state_name(3)).testzip() is None  # every record's crc32 checks
+    assert zipfile.ZipFile(io.BytesIO(bytes(held.data))).testzip() is not None  # the first record lacks its crc32
+    write_checkpoint(tmp_path / "snap", 3, state, HASH, "L", checksum="xxh3_128", zip_crc32=False)
+    assert zipfile.ZipFile(tmp_path / "snap" / state_name(3)).testzip() is not None
+    for loaded in (torch.load(io.BytesIO(bytes(held.data)), weights_only=True),
+                   load_state(read_verified(tmp_path / "snap", 3)[1], "the snapshot")):  # fmt: skip
+        assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+
+
+# A manifest exactly as the service wrote it before the checksum kinds (sha256 required, no other kind).
+OLD_MANIFEST = """{
+  "format": 1,
+  "step": 4,
+  "file": "step-00000004.pt",
+  "size": SIZE,
+  "sha256": "SHA256",
+  "config_hash": "HASH",
+  "torch": "2.13.0+cpu",
+  "service": "0.1.0",
+  "created": 1760000000.0,
+  "lineage": "L"
+}"""
+
+
+def test_an_old_sha256_manifest_still_loads_and_a_disk_checkpoint_still_writes_one(tmp_path, world_of_one):
+    """A checkpoint of an earlier version resumes; and a disk checkpoint's manifest has the old fields only, so an
+    earlier version (whose manifest forbids unknown fields) still reads it."""
+    buffer = io.BytesIO()
+    torch.save(state_at(4), buffer)
+    payload = buffer.getvalue()
+    (tmp_path / state_name(4)).write_bytes(payload)
+    old = OLD_MANIFEST.replace("SIZE", str(len(payload))).replace("SHA256", hashlib.sha256(payload).hexdigest())
+    (tmp_path / manifest_name(4)).write_text(old.replace("HASH", HASH))
+    resumed = agree_on_checkpoint(tmp_path, 0, 1, world_of_one, "auto")
+    assert resumed is not None and resumed.step == 4 and resumed.state["model"]["w"].tolist() == [4.0] * 4
+    write_checkpoint(tmp_path, 6, state_at(6), HASH, "L")
+    assert set(json.loads((tmp_path / manifest_name(6)).read_text())) == set(json.loads(old))
+
+
+@pytest.mark.parametrize("named", [(), ("sha256", "xxh3_128")], ids=["none", "two"])
+def test_a_manifest_naming_no_checksum_or_two_is_refused_with_the_reason(tmp_path, named, caplog):
+    payload = b"PK\x03\x04 not read"
+    (tmp_path / state_name(4)).write_bytes(payload)
+    digests = {"sha256": hashlib.sha256(payload).hexdigest(), "xxh3_128": "0" * 32}
+    manifest = json.loads(OLD_MANIFEST.replace("SIZE", str(len(payload))).replace("HASH", HASH))
+    del manifest["sha256"]
+    (tmp_path / manifest_name(4)).write_text(json.dumps({**manifest, **{kind: digests[kind] for kind in named}}))
+    with pytest.raises(ValueError) as info:
+        read_verified(tmp_path, 4)
+    reason = str(info.value)
+    assert "is not valid" in reason and "names exactly one checksum of its state file (sha256 or xxh3_128)" in reason
+    assert f"this one names {' and '.join(named) or 'none'}" in reason, reason
+    with caplog.at_level(logging.WARNING):
+        assert list(scan(tmp_path)) == []  # skipped with that warning, never loaded
+    assert "names exactly one checksum" in caplog.text
+
+
+# --- checkpoint.snapshot_every: auto ------------------------------------------------------------------------------
+
+
+class Clock:
+    """Time that moves only when a step is run: ``step_time`` seconds a step."""
+
+    def __init__(self, step_time: float) -> None:
+        self.now, self.step_time = 0.0, step_time
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_schedule(schedule: SnapshotSchedule, clock: Clock, steps: range) -> list[int]:
+    """The steps at which ``schedule`` says a snapshot is due, one boundary per step, ``clock`` moving between."""
+    due = []
+    for step in steps:
+        clock.now += clock.step_time
+        if schedule.due(step):
+            due.append(step)
+    return due
+
+
+def test_auto_times_clean_steps_probes_every_step_then_agrees_once_on_a_longer_interval_for_a_slower_snapshot():
+    """Steps 101-102 of a start at 100 are timed with no snapshot; 103-107 take one every step; at 108 the rank
+    proposes the shortest interval that keeps its snapshots at 1% of the step time, and the agreed one is used."""
+    chosen = {}
+    for name, background in (("tiny", 0.0006), ("small", 0.010), ("slow", 0.19)):
+        costs = [(0.001, 0.5), (0.0005, background), (0.0005, background * 1.2)]  # the first: buffers allocated
+        proposals: list[int] = []
+        clock = Clock(0.1)
+        schedule = SnapshotSchedule("auto", 100, lambda costs=costs: costs,
+                                    agree=lambda p, proposals=proposals: proposals.append(p) or p, clock=clock,
+                                    cpu_clock=lambda clock=clock: clock.now * 2, cpus=2)  # fmt: skip
+        due = run_schedule(schedule, clock, range(101, 2001))
+        assert due[:5] == [103, 104, 105, 106, 107] and 101 not in due and 102 not in due
+        assert len(proposals) == 1  # one agreement, at step 108
+        assert all(step >= 108 and step % schedule.every == 0 for step in due[5:])
+        assert schedule.step_time == pytest.approx(0.1) and schedule.busy == pytest.approx(1.0)
+        assert schedule.cost == pytest.approx(0.0005 + background * 1.1)  # the median, the first left out
+        chosen[name] = (proposals[0], schedule.every, due[5:])
+    assert chosen["tiny"][:2] == (2, 2)  # 1.16 ms: over 1 ms a step, under it every other step
+    assert chosen["small"][:2] == (12, 12)  # 11.5 ms / 12 <= 1% of 100 ms; 11.5 ms / 11 is not
+    assert chosen["slow"][:2] == (210, 210) and chosen["slow"][2] == [210 * k for k in range(1, 10)]
+
+
+def test_a_snapshot_costs_the_steps_its_background_cpu_only_in_the_share_the_training_keeps_busy():
+    """The same snapshot (1 ms on the training thread, 50 ms of background CPU) at a 1 s step: on a node whose CPUs
+    all train it costs 51 ms (every 6 steps); where the training keeps a tenth of them busy (a GPU node's host),
+    6 ms (every step); the ranks on a node share its CPUs."""
+    costs = [(0.001, 0.05)] * 3
+    for cpu_per_second, ranks_here, cpus, every in ((4.0, 1, 4, 6), (0.4, 1, 4, 1), (0.5, 8, 4, 6), (0.2, 2, 16, 1)):
+        clock = Clock(1.0)
+        schedule = SnapshotSchedule(
+            "auto",
+            0,
+            lambda: costs,
+            agree=lambda p: p,
+            ranks_here=ranks_here,
+            cpus=cpus,
+            clock=clock,
+            cpu_clock=lambda clock=clock, rate=cpu_per_second: clock.now * rate,
+        )
+        run_schedule(schedule, clock, range(1, AGREE + 1))
+        assert schedule.busy == pytest.approx(min(1.0, cpu_per_second * ranks_here / cpus))
+        assert schedule.every == every, (cpu_per_second, ranks_here, cpus, schedule.cost)
+
+
+def test_auto_takes_another_ranks_larger_choice_and_a_rank_without_snapshots_proposes_none():
+    proposals: list[int] = []
+    clock = Clock(0.1)
+    schedule = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: proposals.append(p) or max(p, 30), clock=clock)
+    due = run_schedule(schedule, clock, range(1, 121))
+    assert proposals == [0] and schedule.every == 30 and due == [3, 4, 5, 6, 7, 30, 60, 90, 120]
+    off = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: p, clock=clock)  # no rank keeps any
+    assert run_schedule(off, clock, range(1, 200)) == [3, 4, 5, 6, 7] and off.every == 0
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, list(range(1, 13))), (4, [4, 8, 12]), (0, [])])
+def test_a_fixed_snapshot_every_is_every_nth_step_with_no_timing_and_no_agreement(every, expected):
+    def agree(proposal: int) -> int:
+        raise AssertionError("a fixed interval needs no collective")
+
+    schedule = SnapshotSchedule(every, 0, lambda: [(0.0, 0.5)], agree=agree, sync=lambda: agree(0))
+    assert run_schedule(schedule, Clock(0.1), range(1, 13)) == expected
+
+
+finite = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
+
+
+@given(cost=finite, step_time=st.floats(min_value=1e-6, max_value=1e3), slower=finite)
+def test_interval_for_keeps_the_cost_at_one_percent_whenever_it_can_with_the_shortest_such_interval(
+    cost, step_time, slower
+):
+    interval = interval_for(cost, step_time)
+    allowed = BUDGET * step_time
+    assert 1 <= interval <= MOST
+    if cost / MOST <= allowed:  # achievable within the longest interval auto takes
+        assert cost / interval <= allowed
+    else:
+        assert interval == MOST
+    assert interval == 1 or cost / (interval - 1) > allowed  # none shorter would do
+    assert interval_for(cost + slower, step_time) >= interval  # a slower snapshot: never a shorter interval
+
+
+@given(nodes=st.lists(st.tuples(st.floats(min_value=1e-5, max_value=10.0), st.floats(min_value=0.0, max_value=10.0),
+                                st.floats(min_value=1e-3, max_value=10.0), st.floats(min_value=0.0, max_value=1.0)),
+                      min_size=1, max_size=8))  # fmt: skip
+def test_the_largest_proposal_keeps_every_node_within_its_budget(nodes):
+    """Each node measures its own costs, step time and busy share; the agreed (largest) interval holds every node's
+    snapshots to 1% of its step time."""
+    proposals = [propose([(blocked, background)], step_time, busy) for blocked, background, step_time, busy in nodes]
+    agreed = max(proposals)
+    assert agreed >= 1
+    for blocked, background, step_time, busy in nodes:
+        cost = typical_cost([(blocked, background)], busy)
+        if cost / MOST <= BUDGET * step_time:
+            assert cost / agreed <= BUDGET * step_time
+
+
+def test_the_writer_measures_a_bigger_snapshot_as_costlier_and_auto_picks_a_longer_interval_for_it(tmp_path):
+    """Real snapshots, real costs (the writer's own measure): a 64 MiB model against a tiny one, at the same
+    (controlled) step time and CPU use."""
+    chosen = {}
+    for name, model in (("tiny", torch.nn.Linear(8, 8)), ("big", torch.nn.Linear(4096, 4096))):
+        writer = SnapshotWriter(area_for(tmp_path, run_id=name), HASH, "L", cuda=False)
+        writer.preflight(model)
+        clock = Clock(0.5)
+        schedule = SnapshotSchedule("auto", 0, writer.measured, agree=lambda p: p, clock=clock,
+                                    cpu_clock=lambda clock=clock: clock.now)  # fmt: skip
+        for step in range(1, AGREE + 1):
+            clock.now += clock.step_time
+            if schedule.due(step):
+                writer.capture(step, lambda step=step, model=model: {**state_at(step), "model": model.state_dict()})
+            writer.before_update()
+        writer.close()
+        assert writer.written >= 1 and schedule.cost is not None and schedule.cost > 0
+        assert all(blocked >= 0 and background > 0 for blocked, background in writer.measured())
+        chosen[name] = (schedule.cost, schedule.every)
+    assert chosen["big"][0] > 5 * chosen["tiny"][0] and chosen["big"][1] > chosen["tiny"][1], chosen

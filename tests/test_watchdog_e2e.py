@@ -46,8 +46,10 @@ def test_a_sigstopped_rank_is_named_the_world_restarts_and_ends_bit_exact(tmp_pa
     stacks and exits 1; torchrun restarts the world, which resumes from the in-memory snapshot of the last step
     (no disk checkpoint but the end: every_steps=1000) and ends with the digest of an uninterrupted run. Before the
     watchdog, rank 0 waited the 300 s process-group timeout."""
+    # A snapshot every step: checkpoint.snapshot_every=auto takes the tiny task's every few steps on a loaded CPU.
     job = (*SLOW, "train.max_steps=20", "train.epochs=10", "checkpoint.every_steps=1000", "task_options.sleep=0.04",
-           "task_options.dropout=0.2", f"dist.hang_timeout_seconds={HANG_TIMEOUT}")  # fmt: skip
+           "task_options.dropout=0.2", f"dist.hang_timeout_seconds={HANG_TIMEOUT}",
+           "checkpoint.snapshot_every=1")  # fmt: skip
     run_job(tmp_path / "straight", 2, *job)
     straight = read_summary(tmp_path / "straight")
 

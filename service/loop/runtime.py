@@ -42,10 +42,18 @@ from service.state.preemption import Preemption
 from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
 from service.state.resume import rng_state as saved_rng_state
 from service.state.snapshot import node_area
+from service.state.snapshot_interval import SnapshotSchedule, usable_cpus
 from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import StepReport
 from service.telemetry.startup import StartupMarks
-from service.world.distributed import DistContext, all_gather_bytes, any_rank, distributed, sum_across
+from service.world.distributed import (
+    DistContext,
+    all_gather_bytes,
+    any_rank,
+    distributed,
+    largest_across,
+    sum_across,
+)
 from service.world.env import WorldInfo
 from service.world.orphans import guard_against_orphaning
 from service.world.runlock import build_run_dir_guard
@@ -109,6 +117,11 @@ class Runtime:
                                                self.state.global_step))  # fmt: skip
         self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
                          str(self.resumed.file) if self.resumed else "")  # fmt: skip
+        self.snapshot_schedule = SnapshotSchedule(
+            config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
+            agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
+            ranks_here=world.local_world_size, cpus=usable_cpus(),
+        )  # fmt: skip
         self.window = Window(self.device, sum_across(self.control),
                              lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
         self.models: list[nn.Module] = []
@@ -238,6 +251,8 @@ class Runtime:
         modules = {name: obj for name, obj in self.kept.shared.items() if isinstance(obj, nn.Module)}
         self.roles.checkpointer.preflight(modules)  # rank 0: room for a checkpoint, before any training
         self.roles.snapshots.preflight(modules)  # each node's local rank 0: room in shared memory, or none kept
+        if self.area is not None and self.config.checkpoint.snapshot_every:
+            log.info("in-memory snapshots (checkpoint.snapshot_every): %s", self.snapshot_schedule.describe())
         resumed = self.resumed
         if resumed is not None:
             rng = resumed.state["rng"]
@@ -292,13 +307,15 @@ class Runtime:
         }
 
     def save_due(self, step: int) -> None:
-        """After a step: a periodic checkpoint and a snapshot when due (rank 0, each node's local rank 0)."""
-        ckpt = self.config.checkpoint
-        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (ckpt.snapshot_every and
-                                                                  step % ckpt.snapshot_every == 0):  # fmt: skip
+        """After a step: a periodic checkpoint and a snapshot when due (rank 0, each node's local rank 0). On every
+        rank at every step: the snapshot schedule agrees on its interval here once (``auto``)."""
+        every_steps = self.config.checkpoint.every_steps
+        snapshot = self.snapshot_schedule.due(step)
+        if (every_steps and step % every_steps == 0) or snapshot:
             self.gather_own()
         self.roles.checkpointer.maybe_save(step, self.checkpoint_state)
-        self.roles.snapshots.capture(step, lambda: self.checkpoint_state(checked=False))
+        if snapshot:
+            self.roles.snapshots.capture(step, lambda: self.checkpoint_state(checked=False))
 
     # ------------------------------------------------------------------ the end
     def finish(self, status: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -351,6 +368,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
     """What ``summary.json`` holds; ``samples_per_second`` counts what this start trained, not the samples before
     the resumed step. The task loop adds its evaluation's entries (``final_loss``, ``eval_metric``, ...)."""
     state, roles, feed = rt.state, rt.roles, rt.feed
+    snapshots = roles.snapshots
     micro_steps = getattr(getattr(feed, "plan", None), "micro_steps", 1)
     return {
         "status": status,
@@ -378,7 +396,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
             "failures": roles.checkpointer.failures,
             "best": roles.checkpointer.best.describe() if roles.checkpointer.best else None,
         },
-        "snapshots": {"written": roles.snapshots.written, "skipped": roles.snapshots.skipped},
+        "snapshots": {"written": snapshots.written, "skipped": snapshots.skipped, "every": rt.snapshot_schedule.every},
         "goodput": roles.goodput.finish(status),  # rank 0: the job's breakdown over every start (None else)
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,

@@ -4,11 +4,14 @@ A checkpoint is two files in ``run_dir/checkpoints``:
 
 - ``step-NNNNNNNN.pt``: the state, written by ``torch.save`` to a temporary
   name, fsynced, then renamed;
-- ``step-NNNNNNNN.json``: its manifest (step, file name, size, sha256,
+- ``step-NNNNNNNN.json``: its manifest (step, file name, size, checksum,
   config hash, versions), written the same way, after the state.
 
+The checksum is sha256 on disk, xxh3_128 in the in-memory snapshots; the
+manifest names which (:mod:`service.state.manifest`).
+
 A checkpoint counts only when its manifest parses and the state file has the
-size and sha256 it names. Anything else (a crash before the rename, a
+size and checksum it names. Anything else (a crash before the rename, a
 truncated or flipped file, a missing manifest) is skipped with a warning, and
 the checkpoint before it is used. Both files are opened only when they are
 regular files (a symlink only to one inside the checkpoint directory), and
@@ -21,7 +24,6 @@ refused and nothing in it runs.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import logging
@@ -32,12 +34,13 @@ import shutil
 import time
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, cast
+from typing import Any, BinaryIO, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from service.state.files import open_regular, read_small
+from service.state.manifest import Checksum, HashingWriter, Manifest, new_digest, save_without_crc32
 
 log = logging.getLogger(__name__)
 
@@ -90,53 +93,12 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds pickled objects other than tensors and plain containers; it was not executed."""
 
 
-class Manifest(BaseModel):
-    """What makes a state file a checkpoint; its JSON is checked before anything is read."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: Literal[1] = 1
-    step: int = Field(ge=0, lt=10**8)
-    file: str
-    size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    config_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
-    torch: str
-    service: str
-    created: float
-    lineage: str | None = None  # the run that wrote it; prune touches only its own run's checkpoints
-
-
 def state_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
 def manifest_name(step: int) -> str:
     return f"step-{step:08d}.json"
-
-
-class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes and counts what passes through it, in one pass."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.digest = hashlib.sha256()
-        self.size = 0
-        self.error: OSError | None = None  # torch's zip writer turns a failed write into a RuntimeError
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self.raw.write(view)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        self.digest.update(view)
-        self.size += len(view)
-        return len(view)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -174,25 +136,29 @@ def free_space(directory: Path) -> str:
 
 
 def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_hash: str,
-                     lineage: str | None = None) -> Manifest:  # fmt: skip
+                     lineage: str | None = None, checksum: Checksum = "sha256",
+                     zip_crc32: bool = True) -> Manifest:  # fmt: skip
     """Write ``state`` as the checkpoint of ``step``, replacing one of that step atomically.
 
     Both files are written under temporary names and fsynced before either is
     renamed, so a full disk or a crash leaves the previous checkpoints valid
-    and never a newest one that looks complete but is not.
+    and never a newest one that looks complete but is not. ``checksum``: the
+    kind the manifest names; ``zip_crc32=False`` leaves torch.save's own crc32
+    out (:func:`save_without_crc32`).
     """
     from service import __version__
 
     final, manifest_path = directory / state_name(step), directory / manifest_name(step)
     tmp_state = directory / f".{final.name}.{os.getpid()}.tmp"
     tmp_manifest = directory / f".{manifest_path.name}.{os.getpid()}.tmp"
+    serialize = torch.save if zip_crc32 else save_without_crc32
     try:
         directory.mkdir(parents=True, exist_ok=True)
 
-        def save(file: BinaryIO) -> _HashingWriter:
-            writer = _HashingWriter(file)
+        def save(file: BinaryIO) -> HashingWriter:
+            writer = HashingWriter(file, checksum)
             try:
-                torch.save(state, cast(BinaryIO, writer))
+                serialize(state, cast(BinaryIO, writer))
             except RuntimeError:
                 if writer.error is not None:  # the disk, not the state: report the OSError
                     raise writer.error from None
@@ -200,12 +166,12 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
             return writer
 
         writer = _write_synced(tmp_state, save)
-        manifest = Manifest(
-            step=step, file=final.name, size=writer.size, sha256=writer.digest.hexdigest(),
-            config_hash=config_hash, torch=str(torch.__version__), service=__version__, created=time.time(),
-            lineage=lineage,
-        )  # fmt: skip
-        _write_synced(tmp_manifest, lambda file: file.write(manifest.model_dump_json(indent=2).encode()))
+        manifest = Manifest.model_validate({
+            "step": step, "file": final.name, "size": writer.size, checksum: writer.digest.hexdigest(),
+            "config_hash": config_hash, "torch": str(torch.__version__), "service": __version__,
+            "created": time.time(), "lineage": lineage,
+        })  # fmt: skip
+        _write_synced(tmp_manifest, lambda file: file.write(manifest.to_json()))
         os.replace(tmp_state, final)
         os.replace(tmp_manifest, manifest_path)
         _fsync_dir(directory)
@@ -261,7 +227,11 @@ def read_manifest(directory: Path, step: int) -> Manifest:
         raise ValueError(f"its manifest {path.name} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
         manifest = Manifest.model_validate(json.loads(raw))
-    except (ValueError, ValidationError, RecursionError) as exc:
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'manifest'}: {error['msg']}"
+                        for error in exc.errors()[:3])  # fmt: skip
+        raise ValueError(f"its manifest {path.name} is not valid ({why[:500]})") from None
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"its manifest {path.name} is not valid ({str(exc).splitlines()[0]})") from None
     if manifest.step != step or manifest.file != state_name(step):
         raise ValueError(f"its manifest {path.name} names step {manifest.step}, file {manifest.file!r}")
@@ -269,7 +239,8 @@ def read_manifest(directory: Path, step: int) -> Manifest:
 
 
 def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
-    """The manifest and state bytes of ``step`` after checking size and sha256; ``ValueError`` if they fail."""
+    """The manifest and state bytes of ``step`` after checking its size and the checksum its manifest names
+    (sha256 or xxh3_128); ``ValueError`` if they fail."""
     manifest = read_manifest(directory, step)
     try:
         file, size = open_regular(directory, manifest.file)
@@ -283,8 +254,11 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
     if size != manifest.size:
         why = "truncated?" if size < manifest.size else "written to since, or replaced?"
         raise ValueError(f"{manifest.file} has {size} bytes, its manifest says {manifest.size} ({why})")
-    if hashlib.sha256(payload).hexdigest() != manifest.sha256:
-        raise ValueError(f"{manifest.file} does not match the sha256 in its manifest (corrupted)")
+    kind, expected = manifest.checksum
+    digest = new_digest(kind)
+    digest.update(payload)
+    if digest.hexdigest() != expected:
+        raise ValueError(f"{manifest.file} does not match the {kind} in its manifest (corrupted)")
     return manifest, payload
 
 

@@ -1,4 +1,7 @@
-"""In-memory snapshots: the resume state of every N optimizer steps, kept in node-local shared memory.
+"""In-memory snapshots: the resume state of every N-th optimizer step, kept in node-local shared memory.
+
+Which steps: :mod:`service.state.snapshot_interval` (``checkpoint.snapshot_every``: a number, or ``auto``, which
+measures what a snapshot costs here, as :meth:`SnapshotWriter.measured` reports it, and agrees on an interval).
 
 Under DDP every rank holds the whole model and optimizer state, so one process
 per node (its local rank 0) can keep what a restart needs in host memory that
@@ -9,9 +12,11 @@ resume agreement (:func:`service.state.resume.agree_on_checkpoint`) counts it
 beside the disk checkpoints. A node that lacks the agreed state receives it
 from a rank that has it, as for a disk checkpoint.
 
-A snapshot is written exactly like a checkpoint (:mod:`service.state.checkpoint_io`):
-the state under a temporary name, then its manifest (step, size, sha256, config
-hash, lineage), both renamed into place, the manifest last. A snapshot counts
+A snapshot is written like a checkpoint (:mod:`service.state.checkpoint_io`):
+the state under a temporary name, then its manifest (step, size, checksum, config
+hash, lineage), both renamed into place, the manifest last. Its checksum is
+xxh3_128 rather than a disk checkpoint's sha256 (six times faster), and its zip
+archive has no per-record crc32 (the checksum covers every byte). A snapshot counts
 only when its manifest and the state it names agree; one torn by a crash is
 skipped, and the one before it (kept until the next is complete) is used. It
 loads with ``weights_only=True``, like any checkpoint.
@@ -45,6 +50,7 @@ import socket
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -173,10 +179,16 @@ class Snapshots:
         """Before training: is there room in shared memory for two snapshots of this model (these kept modules)?"""
 
     def capture(self, global_step: int, state: StateFn) -> None:
-        """Called after every optimizer step: start a snapshot of this step when one is due."""
+        """Called after an optimizer step at which a snapshot is due: start one of this step."""
 
     def before_update(self) -> None:
         """Called before each optimizer update: the snapshot's copy of the weights must be done by then."""
+
+    def measured(self) -> list[tuple[float, float]]:
+        """What each recent snapshot cost, in seconds (waits for one in flight): its time on the training thread
+        (its part at the step boundary, the wait for its copy before the next update) and the CPU time of its
+        background work (staging, serialisation, checksum, write)."""
+        return []
 
     def discard(self) -> None:
         """The job is over here (completed, preempted with its checkpoint saved, or failed for good)."""
@@ -189,11 +201,10 @@ class Snapshots:
 
 
 class SnapshotWriter(Snapshots):
-    """A node's local rank 0: every ``every`` steps, the state into this node's area, in the background."""
+    """A node's local rank 0: at each step it is called at, the state into this node's area, in the background."""
 
-    def __init__(self, area: Area, every: int, config_hash: str, lineage: str | None, cuda: bool) -> None:
+    def __init__(self, area: Area, config_hash: str, lineage: str | None, cuda: bool) -> None:
         self.area = area
-        self.every = every
         self.config_hash = config_hash
         self.lineage = lineage
         self.cuda = cuda
@@ -207,6 +218,8 @@ class SnapshotWriter(Snapshots):
         self._copied.set()
         self._ready: Any = None  # on CUDA: the side stream's event after the copy
         self._side = torch.cuda.Stream() if cuda else None
+        self.costs: deque[tuple[float, float]] = deque(maxlen=16)  # per snapshot (see measured)
+        self._boundary = self._waited = 0.0  # the snapshot in flight's time on the training thread
 
     def preflight(self, model: torch.nn.Module | Mapping[str, torch.nn.Module]) -> None:
         modules = {"model": model} if isinstance(model, torch.nn.Module) else dict(model)
@@ -230,12 +243,13 @@ class SnapshotWriter(Snapshots):
                     "(every checkpoint.every_steps); checkpoint.snapshot_every=0 silences this.", why)  # fmt: skip
 
     def capture(self, global_step: int, state: StateFn) -> None:
-        if not self.enabled or global_step % self.every:
+        if not self.enabled:
             return
         if self._inflight is not None and not self._inflight.done():
             self.skipped += 1  # at most one in flight: this step is not snapshotted
             return
         self._collect()
+        began = time.perf_counter()
         snapshot = state()
         # The next forward updates the buffers (BatchNorm's statistics): copy them now; the rest in the background.
         for name, buffers in self._buffers.items():
@@ -248,15 +262,26 @@ class SnapshotWriter(Snapshots):
             done.record()
         self._copied.clear()
         self._inflight = self._thread.submit(self._write, global_step, snapshot, done)
+        self._boundary, self._waited = time.perf_counter() - began, 0.0
 
     def before_update(self) -> None:
         if self._copied.is_set():
             return
+        began = time.perf_counter()
         self._copied.wait()
+        self._waited += time.perf_counter() - began
         if self._ready is not None:
             torch.cuda.current_stream().wait_event(self._ready)  # on the device: no host sync
 
-    def _write(self, global_step: int, snapshot: dict[str, Any], done: Any) -> None:
+    def measured(self) -> list[tuple[float, float]]:
+        if self._inflight is not None:
+            self._inflight.exception()
+            self._collect()
+        return list(self.costs)
+
+    def _write(self, global_step: int, snapshot: dict[str, Any], done: Any) -> float:
+        """Stage, serialise and write the snapshot; returns this thread's CPU seconds for it."""
+        cpu = time.thread_time()
         try:
             if self._side is not None:
                 with torch.cuda.stream(self._side):
@@ -275,13 +300,15 @@ class SnapshotWriter(Snapshots):
             self.enabled = False  # never a snapshot of nan weights; the loop stops at its next check
             log.warning("no snapshot of step %d or later: the gradient norm at step %d was not finite",
                         global_step, int(first_bad))  # fmt: skip
-            return
+            return time.thread_time() - cpu
         started = time.perf_counter()
-        write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage)
+        write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage, checksum="xxh3_128",
+                         zip_crc32=False)  # fmt: skip
         prune(self.area.path, KEEP, global_step)
         self.written += 1
         log.debug("snapshot of step %d written to %s in %.3f s", global_step, self.area.path,
                   time.perf_counter() - started)  # fmt: skip
+        return time.thread_time() - cpu
 
     def _collect(self) -> None:
         """Report a snapshot that failed; a full shared memory turns snapshots off, training goes on."""
@@ -289,6 +316,8 @@ class SnapshotWriter(Snapshots):
         error = future.exception() if future is not None else None
         if error is not None:
             self._turn_off(f"the last snapshot failed ({error})")
+        elif future is not None:
+            self.costs.append((self._boundary + self._waited, future.result()))
 
     def discard(self) -> None:
         self.close()
@@ -305,9 +334,10 @@ class SnapshotWriter(Snapshots):
         self._thread.shutdown(wait=True)
 
 
-def build_snapshots(area: Area | None, every: int, local_rank: int, config_hash: str, lineage: str | None,
+def build_snapshots(area: Area | None, every: int | str, local_rank: int, config_hash: str, lineage: str | None,
                     cuda: bool) -> Snapshots:  # fmt: skip
-    """A writer on each node's local rank 0 when snapshots are on and the job has a run id; else nothing."""
+    """A writer on each node's local rank 0 when snapshots are on (``every``: a number, or auto) and the job has a
+    run id; else nothing."""
     if area is None or not every or local_rank != 0:
         return Snapshots()
-    return SnapshotWriter(area, every, config_hash, lineage, cuda)
+    return SnapshotWriter(area, config_hash, lineage, cuda)

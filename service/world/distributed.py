@@ -180,6 +180,12 @@ def all_agree(group: Any) -> Callable[[Sequence[int]], list[int]]:
     return smallest
 
 
+def largest_across(group: Any) -> Callable[[int], int]:
+    """A collective: the largest of one integer over the ranks of ``group`` (:func:`all_agree`, negated)."""
+    smallest = all_agree(group)
+    return lambda value: -smallest([-value])[0]
+
+
 def any_rank(group: Any) -> Callable[[int, int], tuple[int, int]]:
     """The preemption check's collective: (the largest rank's code, the smallest rank's proposal), one all-reduce."""
 

@@ -64,6 +64,11 @@ def slow_task(sleep: float) -> list[str]:
     return ["--set", "task=slow_tasks:slow_shapes", "--set", f"task_options.sleep={sleep}"]
 
 
+# A snapshot every step, not auto's measured interval (the tiny task's snapshot costs more than 1% of its step on a
+# loaded CPU: auto takes one every few steps): these tests hold a resume to the last step, or the one before it.
+EVERY_STEP = ["--set", "checkpoint.snapshot_every=1"]
+
+
 def checkpoint_step(run_dir: Path, step: int) -> int:
     """The step a checkpoint's manifest and state say they hold (both must agree with its name)."""
     import torch
@@ -190,7 +195,7 @@ def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
         cpu_burner()
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 24, *fixed_batch(32, 8, 128, every_steps=1000), *slow_task(0.03), "--set",
-                     "data.trace=true")  # fmt: skip
+                     "data.trace=true", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job)
     for agent in (a, b):
@@ -225,7 +230,7 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     """
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05), "--set",
-                     "checkpoint.resume=never")  # fmt: skip
+                     "checkpoint.resume=never", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
     for agent in (a, b):
