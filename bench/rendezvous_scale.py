@@ -340,9 +340,17 @@ def fresh_point(impl: str, n: int, steady: float, limit: float, per_process: int
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         etcd = start_etcd(Path(tmp))
         try:
-            return run_point(impl, n, etcd, steady=steady, limit=limit, per_process=per_process)
+            return with_etcd_log(run_point(impl, n, etcd, steady=steady, limit=limit, per_process=per_process), etcd)
         finally:
             etcd.kill()
+
+
+def with_etcd_log(row: dict[str, Any], etcd: Any) -> dict[str, Any]:
+    """A failed point carries the end of etcd's log, and whether etcd still runs."""
+    if "error" in row:
+        row["etcd_alive"] = etcd.proc is not None and etcd.proc.poll() is None
+        row["etcd_log_tail"] = etcd.log_path.read_text(errors="replace")[-1500:]
+    return row
 
 
 def start_etcd(workdir: Path) -> Any:
@@ -417,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                             row = fresh_point(impl, n, steady, args.limit, per_process(n))
                         else:
                             row = run_point(impl, n, etcd, limit=args.limit, per_process=per_process(n))
+                            row = with_etcd_log(row, etcd)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         if "error" in row or (args.timeout_at and row.get("seconds", 0) > args.timeout_at):

@@ -38,7 +38,7 @@ import pyetcd
 from pyetcd import exceptions as etcd_exc
 
 from service.rendezvous.options import ClientOptions
-from service.rendezvous.requests import RangeRead, WatchSpec, txn_request
+from service.rendezvous.requests import RangeRead, WatchSpec
 from service.rendezvous.retry import TRANSIENT_DETAILS, RetryWindow, keep_trying
 from service.rendezvous.watchstream import WatchStream
 
@@ -160,9 +160,25 @@ class EtcdClient:
         )
 
     def read_ranges(self, reads: Sequence[RangeRead], what: str) -> tuple[int, list[list[Any]]]:
-        """Every read at one revision, in one transaction: (that revision, the key-values of each read)."""
-        response = self.txn(txn_request([], [r.op() for r in reads]), what)
-        return int(response.header.revision), [list(r.response_range.kvs) for r in response.responses]
+        """Every read at one revision: (that revision, the key-values of each read).
+
+        Range requests, the first one's revision pinned for the others, never a read-only transaction: etcd 3.5.0
+        and 3.5.1 panic and exit when a read-only transaction runs out of its deadline (fixed in 3.5.2), which a
+        busy etcd meets in a mass start.
+        """
+
+        def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[int, list[list[Any]]]:
+            revision, found = 0, []
+            for read in reads:
+                request = read.request()
+                if revision:
+                    request.revision = revision
+                response = c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+                revision = revision or int(response.header.revision)
+                found.append(list(response.kvs))
+            return revision, found
+
+        return self.call(op, what)
 
     def count(self, read: RangeRead, what: str) -> int:
         """How many keys ``read`` covers."""

@@ -13,7 +13,6 @@ keys, lease and timeout.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -60,12 +59,9 @@ class Etcd3Store(dist.Store):
     # -- torch's Store contract -----------------------------------------------
     def clone(self) -> Etcd3Store:
         """A new store with its own etcd client, on the same keys, lease and timeout."""
-        twin = Etcd3Store(
-            EtcdClient(dataclasses.replace(self._client.options, start_timeout=None)),
-            self._prefix,
-            self._lease,
-            self._store_timeout,
-        )
+        client = EtcdClient(self._client.options)
+        client.end_start()  # a clone serves a running job: the grace window applies from its first request
+        twin = Etcd3Store(client, self._prefix, self._lease, self._store_timeout)
         twin._owns_client = True
         self._clones.append(twin)
         return twin

@@ -354,17 +354,6 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
         except EtcdError as exc:
             raise connection_error(exc) from exc
 
-    def _saw_since(self, round_no: int, revision: int) -> bool:
-        """Whether the copy of the round moved past ``revision``, or the round was sealed or closed (``cond`` held)."""
-        rounds, entries = self._mirror.range(ROUNDS), self._mirror.items()
-        return (
-            rounds is None
-            or rounds.revision > revision
-            or self._mirror.error is not None
-            or self._layout.seal_key(round_no) in entries
-            or self._layout.closed in entries
-        )
-
     def _leave(self) -> None:
         """Take this node's key out of its round (a failed or timed-out join)."""
         key, self._key = self._key, None

@@ -1,33 +1,24 @@
 """A local copy of the run's keys that matter to this node, kept current by watches on one stream (read, then watch).
 
-The native rendezvous decides everything from this copy, so no node polls
-etcd. What it watches depends on the node's part in the round (the handler
-adds and drops :class:`Range` objects; docs/rendezvous.md, "What a node
-watches"), so that a join costs every other node no event:
+The native rendezvous decides everything from this copy, so no node polls etcd. What it watches depends on the
+node's part in the round (``watching.py``), so that a join costs every other node no event. Each :class:`Range`
+is one of:
 
 * ``FULL``: every key of the range with its value, in :meth:`Mirror.items`;
-* ``DELETES``: only deletions (etcd filters the puts out before sending): the
-  keys deleted since the range began, and after a re-read the keys absent from
-  it (:meth:`Range.gone`);
-* ``PUTS``: only puts: the keys written since the range began, with values.
+* ``DELETES``: only deletions (etcd filters the puts out before sending): the keys deleted since the range
+  began, and after a re-read the keys absent from it (:meth:`Range.gone`);
+* ``PUTS``: only puts: the keys written since the range began, with their values.
 
-A range may stop its watch itself (``until``) once its answer cannot change
-any more: a member that saw one departure restarts anyway, and need not hear
-of the other nodes moving on to the next round.
+A range may stop its watch itself (``until``) once its answer cannot change any more.
 
-When the stream breaks (an etcd restart, a fail-over to another member, a
-refused login token), every range is read again in one transaction, at one
-revision, and the stream is rebuilt from that revision. Decisions are taken
-from the keys present, not from the events seen, so a key deleted while the
-stream was down (a node that died meanwhile, even with its events compacted
-away) is still noticed: it is absent from the fresh read.
+When the stream breaks (an etcd restart, a fail-over to another member, a refused login token), every range is
+read again in one transaction, at one revision, and the stream is rebuilt from that revision. Decisions are taken
+from the keys present, not from the events seen, so a key deleted while the stream was down (a node that died
+meanwhile, even with its events compacted away) is still noticed: it is absent from the fresh read. If etcd stays
+unreachable beyond the client's grace window, :attr:`Mirror.error` holds the reason and every waiter is woken.
 
-If etcd stays unreachable beyond the client's grace window, :attr:`Mirror.error`
-holds the reason and every waiter is woken to raise it.
-
-A value that ``forgery`` refuses (on a signed run: unsigned, or signed with
-another secret) is left out of the copy, as if its key were absent, and is
-deleted from etcd (only while the key still holds that value), with a
+A value that ``forgery`` refuses (on a signed run: unsigned, or signed with another secret) is left out of the
+copy, as if its key were absent, and is deleted from etcd (only while the key still holds that value), with a
 warning: nobody obeys it, and it cannot block the run's transactions.
 """
 

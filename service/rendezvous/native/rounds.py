@@ -2,8 +2,10 @@
 
 A node joins round ``t`` (the round after the newest sealed one) with one
 transaction that writes its :class:`NodeRecord` on its own lease, and only if
-``t`` is not sealed yet and the run is not closed. Round ``t`` is sealed by
-one transaction that writes its :class:`SealRecord` only if
+``t`` is not sealed yet and the run is not closed; the same transaction tells
+it whether it is among the round's first ``SEALERS`` joiners, who watch the
+whole round and may seal it. Round ``t`` is sealed by one transaction that
+writes its :class:`SealRecord` only if
 
 * nobody sealed ``t`` before (``create_revision`` of the seal key is 0),
 * the run is not closed,

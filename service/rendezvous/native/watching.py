@@ -104,3 +104,14 @@ class RoundWatches:
             if m != self._node and own is not None and own.gone(self._layout.node_key(self._round, m))
         )
         return waiting + departed
+
+    def _saw_since(self, round_no: int, revision: int) -> bool:
+        """Whether the copy of the round moved past ``revision``, or the round was sealed or closed (``cond`` held)."""
+        rounds, entries = self._mirror.range(ROUNDS), self._mirror.items()
+        return (
+            rounds is None
+            or rounds.revision > revision
+            or self._mirror.error is not None
+            or self._layout.seal_key(round_no) in entries
+            or self._layout.closed in entries
+        )
