@@ -10,6 +10,11 @@ This wrapper gives every call
 * retries inside a grace window that opens at the first error after a success,
   so an etcd restart or a lost cluster member does not stop the job, while an
   etcd that was never reachable fails within ``read_timeout`` per endpoint;
+* at start, an etcd that is there but slow (a mass start: hundreds of agents
+  connecting at once; a cluster still electing its leader) is retried with
+  backoff until ``start_timeout`` (the rendezvous's ``join_timeout``), each
+  request still bounded by ``read_timeout``; nothing listening, a server that
+  does not speak HTTP/2, or a TLS refusal still fail at once;
 * re-authentication, since etcd's tokens do not survive a restart or a move to
   another member.
 
@@ -20,11 +25,11 @@ set to ``failed_node_retry`` and that error is treated as transient too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,27 +38,27 @@ import pyetcd
 from pyetcd import exceptions as etcd_exc
 
 from service.rendezvous.options import ClientOptions
+from service.rendezvous.requests import RangeRead, WatchSpec
+from service.rendezvous.retry import TRANSIENT_DETAILS, RetryWindow, keep_trying
+from service.rendezvous.watchstream import WatchStream
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Reconnect quickly after etcd comes back; gRPC's default backoff grows to 120 s.
+# Reconnect quickly after etcd comes back; gRPC's default backoff grows to 120 s. gRPC core reads
+# "min_reconnect_backoff_ms" as the shortest time one connection attempt is given (its connect timeout), not as
+# a pause: at 100 ms, the TCP and HTTP/2 handshake with an etcd busy with a mass start never completed ("connection
+# attempt timed out before receiving SETTINGS frame", "tcp handshaker shutdown"), and every agent dialled again.
+# An attempt may take 20 s (gRPC's own default); each request keeps its read_timeout deadline, and the attempt
+# goes on behind it, so a later try finds the connection made.
 _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 20_000),
     ("grpc.enable_retries", 0),
 ]
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# What etcd answers (often as UNKNOWN) while it has no quorum or elects a leader: worth retrying.
-_TRANSIENT_DETAILS = (
-    "context deadline exceeded",
-    "etcdserver: request timed out",
-    "etcdserver: leader changed",
-    "etcdserver: no leader",
-    "etcdserver: too many requests",
-)
 _TRANSIENT_ERRORS = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
@@ -107,11 +112,8 @@ class EtcdClient:
     def __init__(self, options: ClientOptions) -> None:
         self.options = options
         self._lock = threading.RLock()
-        self._outage_since: float | None = None
-        self._outage_ended: float | None = None  # when etcd last answered again after failing
-        self._connected_once = False
-        self._created = time.monotonic()
-        self._last_error: str | None = None
+        self.window = RetryWindow(options)
+        self._warned_at = 0.0
         self._need_auth = options.user is not None
         self._client = self._build()
 
@@ -124,6 +126,10 @@ class EtcdClient:
     def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
         """The underlying pyetcd client (for its ``transactions`` helpers)."""
         return self._client
+
+    def end_start(self) -> None:
+        """The start is over (the agent is connected and in the run): from now on the grace window applies."""
+        self.window.end_start()
 
     def close(self) -> None:
         """Close the gRPC channels."""
@@ -145,35 +151,80 @@ class EtcdClient:
         )
         return bool(deleted)
 
-    def watch_prefix(self, prefix: bytes, start_revision: int, callback: Callable[[Any], None], what: str) -> Any:
-        """Watch ``prefix`` from ``start_revision`` on a watcher of its own; returns it (``close()`` ends it).
+    def txn(self, request: Any, what: str, retry: bool = True) -> Any:
+        """Send a transaction built from etcd's messages (``requests.txn_request``); etcd's ``TxnResponse``."""
+        return self.call(
+            lambda c: c.kvstub.Txn(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata),
+            what,
+            retry=retry,
+        )
 
-        A watcher of its own carries the current login token and channel, so one
-        made after a re-login or a fail-over works where pyetcd's shared one would not.
-        ``callback`` gets pyetcd's ``WatchResponse`` objects, then an exception or
-        ``None`` once when the stream ends.
+    def read_ranges(self, reads: Sequence[RangeRead], what: str) -> tuple[int, list[list[Any]]]:
+        """Every read at one revision: (that revision, the key-values of each read).
+
+        Range requests, the first one's revision pinned for the others, never a read-only transaction: etcd 3.5.0
+        and 3.5.1 panic and exit when a read-only transaction runs out of its deadline (fixed in 3.5.2), which a
+        busy etcd meets in a mass start.
         """
-        end = prefix_end(prefix)
 
-        def create(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
+        def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[int, list[list[Any]]]:
+            revision, found = 0, []
+            for read in reads:
+                request = read.request()
+                if revision:
+                    request.revision = revision
+                response = c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+                revision = revision or int(response.header.revision)
+                found.append(list(response.kvs))
+            return revision, found
+
+        return self.call(op, what)
+
+    def count(self, read: RangeRead, what: str) -> int:
+        """How many keys ``read`` covers."""
+        request = dataclasses.replace(read, count_only=True).request()
+        response = self.call(
+            lambda c: c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata), what
+        )
+        return int(response.count)
+
+    def open_watch_stream(
+        self,
+        watches: Sequence[tuple[Hashable, WatchSpec]],
+        on_response: Callable[[Hashable, Any], None],
+        on_end: Callable[[BaseException | None], None],
+        what: str,
+        meter: list[int] | None = None,
+    ) -> WatchStream:
+        """A new watch stream with ``watches`` (tag and spec each), once etcd confirmed them all.
+
+        A stream of its own carries the current login token and channel, so one made after a re-login or a
+        fail-over works. More watches are added to it later without waiting (``WatchStream.create``).
+        """
+
+        def create(c: pyetcd.MultiEndpointEtcd3Client) -> WatchStream:
             # "hasleader": etcd ends the watch when its member loses the leader (no quorum), instead of
             # leaving it open and silent, so a watcher learns of an outage as a client with requests does.
             metadata = (*(c.metadata or ()), ("hasleader", "true"))
-            watcher = pyetcd.watch.Watcher(
-                pyetcd.etcdrpc.WatchStub(c.channel),
-                timeout=c.timeout,
-                call_credentials=c.call_credentials,
-                metadata=metadata,
-            )
+            stub = pyetcd.etcdrpc.WatchStub(c.channel)
+            stream = WatchStream(stub, metadata, c.call_credentials, on_response, on_end, meter)
             try:
-                watcher.add_callback(prefix, callback, range_end=end, start_revision=start_revision)
-            except etcd_exc.RevisionCompactedError as exc:
-                watcher.close()
-                raise WatchCompactedError(f"revision {start_revision} is compacted ({exc})") from exc
+                for tag, spec in watches:
+                    stream.create(tag, spec)
+                refused = stream.confirmed([tag for tag, _ in watches], time.monotonic() + self.options.read_timeout)
+            except TimeoutError as exc:
+                stream.close()
+                raise etcd_exc.WatchTimedOut(str(exc)) from exc
             except BaseException:
-                watcher.close()
+                stream.close()
                 raise
-            return watcher
+            if refused:
+                stream.close()
+                response = next(iter(refused.values()))
+                if response.compact_revision:
+                    raise WatchCompactedError(f"revision {response.compact_revision} and older are compacted")
+                raise EtcdError(f"etcd at {self.endpoints} refused a watch: {response.cancel_reason or 'no reason'}.")
+            return stream
 
         return self.call(create, what)
 
@@ -183,22 +234,16 @@ class EtcdClient:
         With ``retry=False`` a transient failure raises ``EtcdUncertainError``
         after one attempt, for writes whose outcome must be checked by a read.
         """
-        delay = 0.05
-        while True:
-            try:
-                result = self._attempt(op)
-            except EtcdUncertainError as exc:
-                if not retry:
-                    raise
-                remaining = self._window_left()
-                if remaining <= 0:
-                    last = self._last_error or exc.__cause__
-                    raise EtcdUnavailableError(self._unavailable_message(what, last)) from exc.__cause__
-                time.sleep(min(delay, remaining) * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, 0.5)
-                continue
-            self._mark_ok()
+        if not retry:
+            result = self._attempt(op)
+            self.window.ok()
             return result
+        try:
+            warn = lambda left: self._warn_slow_start(what, left)  # noqa: E731
+            return keep_trying(lambda: self._attempt(op), self.window, EtcdUncertainError, warn)
+        except EtcdUncertainError as exc:
+            last = self.window.last_error or exc.__cause__
+            raise EtcdUnavailableError(self._unavailable_message(what, last)) from exc.__cause__
 
     def _attempt(self, op: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
         """One try; transient failures come out as ``EtcdUncertainError``."""
@@ -208,33 +253,34 @@ class EtcdClient:
                     self._authenticate()
             return op(self._client)
         except _TRANSIENT_ERRORS as exc:
-            self._mark_failed()
-            if not isinstance(exc, etcd_exc.NoServerAvailableError):
-                self._last_error = _describe(exc)
+            if isinstance(exc, etcd_exc.NoServerAvailableError):
+                self.window.failed()
+            else:
+                self.window.failed(_describe(exc), timed_out=isinstance(exc, etcd_exc.ConnectionTimeoutError))
             raise EtcdUncertainError(str(exc)) from exc
         except etcd_exc.WatchTimedOut as exc:
-            self._mark_failed()
+            self.window.failed(timed_out=True)
             raise EtcdUncertainError(f"creating a watch timed out: {exc}") from exc
         except ValueError as exc:
             if not is_failed_node_error(exc):
                 raise
-            self._mark_failed()
+            self.window.failed()
             raise EtcdUncertainError(str(exc)) from exc
         except grpc.RpcError as exc:
             raise self._classify(exc) from exc
 
     def _classify(self, exc: grpc.RpcError) -> EtcdError:
         code, details = _code_and_details(exc)
-        if code in _TRANSIENT_CODES or any(d in details for d in _TRANSIENT_DETAILS):
+        if code in _TRANSIENT_CODES or any(d in details for d in TRANSIENT_DETAILS):
             # Raw errors (authentication, lease streams) skip pyetcd's own bookkeeping.
             self._fail_current_endpoint()
-            self._mark_failed()
-            self._last_error = f"{code.name}: {details}"
-            return EtcdUncertainError(self._last_error)
+            error = f"{code.name}: {details}"
+            self.window.failed(error, timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            return EtcdUncertainError(error)
         if code == grpc.StatusCode.UNAUTHENTICATED and self.options.user is not None:
             # Tokens are per member and lost on restart: log in again, then retry.
             self._need_auth = True
-            self._mark_failed()
+            self.window.failed()
             return EtcdUncertainError(f"the etcd auth token was refused ({details})")
         if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
             return LeaseNotFoundError(details)
@@ -278,38 +324,22 @@ class EtcdClient:
         lease expired through no act of anyone who could reach etcd (a frozen etcd expires every lease once
         its clock runs on), and the node rejoins instead of leaving the run.
         """
-        ended = self._outage_ended
-        return self._outage_since is not None or (ended is not None and time.monotonic() - ended <= seconds)
+        return self.window.unreachable_within(seconds)
 
-    def _mark_ok(self) -> None:
-        self._connected_once = True
-        if self._outage_since is not None:
-            self._outage_ended = time.monotonic()
-        self._outage_since = None
-        self._last_error = None
-
-    def _mark_failed(self) -> None:
-        if self._outage_since is None:
-            self._outage_since = time.monotonic()
-
-    @property
-    def _start_window(self) -> float:
-        """How long an agent tries at start: one request deadline per endpoint, so every member gets a try."""
-        return self.options.read_timeout * len(self.options.endpoints)
-
-    def _window_left(self) -> float:
-        """Seconds left to retry: the grace window in a running job, a deadline per endpoint at start."""
+    def _warn_slow_start(self, what: str, remaining: float) -> None:
+        """Say, every 10 s at most, that a start waits for a slow etcd (a mass start), and for how long still."""
         now = time.monotonic()
-        if not self._connected_once:
-            return self._created + self._start_window - now
-        start = self._outage_since if self._outage_since is not None else now
-        return start + self.options.grace_period - now
+        if self.window.extended and now - self._warned_at >= 10:
+            self._warned_at = now
+            log.warning(
+                "etcd at %s answers slowly (%s failed: %s); retrying with backoff for up to %.0f s more "
+                "(join_timeout).", self.endpoints, what, self.window.last_error or "no answer", remaining,
+            )  # fmt: skip
 
     def _unavailable_message(self, what: str, cause: BaseException | str | None) -> str:
-        waited = self.options.grace_period if self._connected_once else self._start_window
         return (
             f"etcd at {self.endpoints} is unreachable; {what} failed and was retried for "
-            f"{waited:g} s (last error: {cause or 'unknown'})."
+            f"{self.window.waited():g} s (last error: {cause or 'unknown'})."
         )
 
     def _build(self) -> pyetcd.MultiEndpointEtcd3Client:

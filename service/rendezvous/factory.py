@@ -61,8 +61,11 @@ def build_handler(params: RendezvousParameters, share_tcp_store: bool = False) -
             parts.close()
             raise
         handler.start()  # its lease and its watch now, so a broken etcd fails the agent at start
+        parts.client.end_start()  # from now on a failing etcd gets the grace window
         return handler
-    return _dynamic_handler(parts, params)
+    dynamic = _dynamic_handler(parts, params)
+    parts.client.end_start()
+    return dynamic
 
 
 def _dynamic_handler(parts: Etcd3Parts, params: RendezvousParameters) -> DynamicRendezvousHandler:

@@ -72,6 +72,9 @@ class ClientOptions:
     key: str | None = None
     user: str | None = None
     password: str | None = None
+    # How long a start keeps retrying an etcd that is there but slow (a mass start): the rendezvous sets its
+    # join_timeout here. None: a start gets one request deadline per endpoint (the admin and doctor tools).
+    start_timeout: float | None = None
 
     @property
     def secure(self) -> bool:

@@ -4,6 +4,8 @@ handed to either handler.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from service.rendezvous.client import EtcdAuthError, EtcdClient, EtcdError, EtcdNotEtcdError, EtcdUnavailableError
@@ -19,7 +21,8 @@ class Etcd3Parts:
 
     def __init__(self, options: RendezvousOptions) -> None:
         self.options = options
-        self.client = EtcdClient(options.client)
+        # A start retries an etcd that is there but slow (a mass start) until join_timeout (retry.py).
+        self.client = EtcdClient(dataclasses.replace(options.client, start_timeout=options.join_timeout))
         self.lease = RunLease(self.client, run_key(options.key_prefix, options.run_id, "lease"), options.ttl)
         self.backend = Etcd3RendezvousBackend(
             self.client, options.run_id, options.key_prefix, self.lease, StateCodec(options.secret, options.run_id)

@@ -59,7 +59,9 @@ class Etcd3Store(dist.Store):
     # -- torch's Store contract -----------------------------------------------
     def clone(self) -> Etcd3Store:
         """A new store with its own etcd client, on the same keys, lease and timeout."""
-        twin = Etcd3Store(EtcdClient(self._client.options), self._prefix, self._lease, self._store_timeout)
+        client = EtcdClient(self._client.options)
+        client.end_start()  # a clone serves a running job: the grace window applies from its first request
+        twin = Etcd3Store(client, self._prefix, self._lease, self._store_timeout)
         twin._owns_client = True
         self._clones.append(twin)
         return twin

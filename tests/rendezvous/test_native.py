@@ -166,7 +166,7 @@ def test_a_joiner_during_the_seal_is_either_sealed_in_or_refused(etcd_server: Et
         assert _view(client, layout, 0)[1].seal.members == ["a", "b", "c"]
         late = NodeLease(client, 10, 3, lambda reason: None)
         leases.append(late)
-        written, seal, closed = try_join(
+        written, _, seal, closed, _ = try_join(
             client, layout, 0, NodeRecord(node="d", addr="x", pid=1, round=0), late.grant(), None
         )
         assert written == 0 and closed is None and SealRecord.model_validate_json(seal).members == ["a", "b", "c"]
@@ -407,7 +407,7 @@ def test_a_join_refused_by_a_forged_seal_or_closed_deletes_it_and_joins(etcd_ser
     try:
         for key in (layout.closed, layout.seal_key(0)):
             client.call(lambda c, k=key: c.put(k, b'{"closed_by": "evil"}'), "planting")
-        written, seal, closed = try_join(
+        written, _, seal, closed, _ = try_join(
             client, layout, 0, NodeRecord(node="a", addr="x", pid=1, round=0), lease.grant(), None
         )
         assert written > 0 and (seal, closed) == (None, None)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 
 from service.rendezvous.lease import RunLostError
 
@@ -34,3 +39,20 @@ def closed_error(run_id: str) -> RendezvousClosedError:
 
 def connection_error(exc: BaseException) -> RendezvousConnectionError:
     return RendezvousConnectionError(f"The etcd3 rendezvous cannot use etcd: {exc}")
+
+
+def join_timeout_error(
+    run_id: str, join_timeout: float, round_no: int, min_nodes: int, view: Any
+) -> RendezvousTimeoutError:
+    """Round ``round_no`` was not sealed within the join timeout; ``view`` (a ``RoundView``) says why, if known."""
+    if view is None:  # not a sealer: it has no copy of the round
+        joined = "too few nodes joined it"
+    else:
+        joined = (
+            f"{len(view.joined)} node(s) joined it, at least {min_nodes} are needed (and {view.earlier} node(s) "
+            "of the previous round have not moved on yet)"
+        )
+    return RendezvousTimeoutError(
+        f"The rendezvous '{run_id}' did not complete within the join timeout of {join_timeout:g} s: round "
+        f"{round_no} was not sealed; {joined}."
+    )

@@ -5,11 +5,12 @@ seal and this node's key must stay, or the node is lost for good and never joins
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service.rendezvous.lease import NodeLease, RunLostError
 from service.rendezvous.native.errors import connection_error, lost_error
-from service.rendezvous.native.mirror import PrefixMirror
+from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.records import Layout
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ class SplitBrainGuard:
     _layout: Layout
     _lease: NodeLease
     _lost: RunLostError | None
-    _mirror: PrefixMirror
+    _mirror: Mirror
+    _own_key_gone: Callable[[], bool]  # RoundWatches
     _node: str
     _parts: Etcd3Parts
     _round: int | None
@@ -46,7 +48,7 @@ class SplitBrainGuard:
         if self._seal_created and seal.create_revision != self._seal_created:
             raise self._lose(f"the seal of its round {self._round} was deleted and written again")
         self._seal_created = seal.create_revision
-        if self._key not in entries:
+        if self._own_key_gone():
             self._gone(f"its node key in round {self._round} vanished")
 
     def _on_lease_lost(self, reason: str) -> None:

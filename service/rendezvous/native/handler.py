@@ -4,10 +4,11 @@ torch's ``DynamicRendezvousHandler`` keeps the whole membership in one pickled v
 heartbeat rewrites and every node polls: O(N) writes per heartbeat to one key, O(N²) requests per round, a
 revision per heartbeat. Here (key layout in ``records.py``, the rules in ``rounds.py``, docs/rendezvous.md):
 each node holds its own lease (TTL = the liveness timeout), refreshed by keep-alives that write no revision;
-a join is one transaction writing one JSON key on that lease; each node keeps a watched copy of the run's keys
-(``mirror.py``), so nobody polls and ``num_nodes_waiting`` costs no request; the first joiner seals the round
-with one transaction and everyone reads the same record; a dead node's key goes with its lease, and the
-survivors' ``num_nodes_waiting`` turns positive, so torchrun restarts them into a new round.
+a join is one transaction writing one JSON key on that lease; each node keeps a watched copy of the keys that
+matter to it (``mirror.py``, ``watching.py``), so nobody polls, ``num_nodes_waiting`` costs no request, and a
+join reaches only the round's first few joiners; the first joiner seals the round with one transaction and
+everyone reads the same record; a dead node's key goes with its lease, and the survivors'
+``num_nodes_waiting`` turns positive, so torchrun restarts them into a new round.
 
 Split-brain guard: once this node is a member of a sealed round, its own key and that round's seal must stay.
 If either vanishes, :class:`RunLostError` is raised now and on every later call: the agent stops its workers
@@ -35,13 +36,15 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from service.rendezvous.client import EtcdError, LeaseNotFoundError
+from service.rendezvous.client import EtcdError, LeaseNotFoundError, prefix_end
 from service.rendezvous.lease import NodeLease, RunLostError
-from service.rendezvous.native.errors import closed_error, connection_error, node_lease_ttl
+from service.rendezvous.native.errors import closed_error, connection_error, join_timeout_error, node_lease_ttl
 from service.rendezvous.native.guard import SplitBrainGuard
-from service.rendezvous.native.mirror import PrefixMirror
+from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, SealRecord
 from service.rendezvous.native.rounds import RoundView, latest_sealed, seal_due, try_join, try_seal, view_round
+from service.rendezvous.native.watching import ROUNDS, RoundWatches
+from service.rendezvous.requests import RangeRead
 
 if TYPE_CHECKING:
     from service.rendezvous.parts import Etcd3Parts
@@ -52,7 +55,7 @@ _SETTLE = 0.01
 _REJOINS = 3
 
 
-class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
+class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
     """torch's handler interface on etcd leases, per-node keys, watches and transactions."""
 
     def __init__(
@@ -69,15 +72,14 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
         self._layout = Layout.of(o.key_prefix, o.run_id, o.secret)
         layout = self._layout
         # On a signed run, forged values are left out of the copy and deleted (records.py).
-        self._mirror = PrefixMirror(
-            parts.client, layout.base, lambda key: not key.startswith(layout.rounds), layout.forgery
-        )
+        self._mirror = Mirror(parts.client, layout.base, lambda key: not key.startswith(layout.rounds), layout.forgery)
         ttl = node_lease_ttl(o.keep_alive_interval, o.keep_alive_max_attempt)
         self._lease = NodeLease(parts.client, ttl, o.keep_alive_interval, self._on_lease_lost)
         self._started = False
         self._lock = threading.Lock()
         self._key: bytes | None = None  # this node's key in its current round
         self._joined_at = 0  # the revision of the write that put it there
+        self._sealer = False  # among its round's first joiners: it watches the whole round and may seal it
         self._round: int | None = None  # the sealed round this node is a member of
         self._seal_created = 0
         self._members: list[str] = []
@@ -113,13 +115,14 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
                 self._evicted, self._key = None, None
                 self._renew_lease()
             try:
-                round_no, seal = self._join_and_wait(deadline)
+                round_no, seal, seal_revision = self._join_and_wait(deadline)
             except RunLostError:
                 raise
             except BaseException:
                 self._leave()
                 raise
             self._round, self._members = round_no, list(seal.members)
+            self._watch_as_member(round_no, seal_revision)
             rank, world = seal.members.index(self._node), len(seal.members)
         log.info(
             "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
@@ -158,22 +161,18 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
             entries = self._mirror.items()
             if self._layout.closed in entries:
                 return 0
-            if self._round is None:
-                newest = latest_sealed(self._layout, entries)
-                return len(view_round(self._layout, entries, 0 if newest is None else newest + 1).joined)
-            self._guard(entries)
-            if self._evicted is not None:
-                return 1  # its own key is gone: torchrun stops its workers and calls next_rendezvous
-            waiting = 0
-            for key, entry in entries.items():
-                parsed = self._layout.parse_node_key(key)
-                if parsed is not None and parsed[0] > self._round:
-                    self._layout.decode(NodeRecord, entry.value, key)  # a planted value is refused, not counted
-                    waiting += 1
-            departed = sum(
-                1 for m in self._members if m != self._node and self._layout.node_key(self._round, m) not in entries
-            )
-            return waiting + departed
+            if self._round is not None:
+                self._guard(entries)
+                if self._evicted is not None:
+                    return 1  # its own key is gone: torchrun stops its workers and calls next_rendezvous
+                return self._waiting_and_departed()  # from its watches: no request
+            newest = latest_sealed(self._layout, entries)
+        # In no world (torchrun does not ask then): how many joined the next round, read from etcd.
+        prefix = self._layout.round_prefix(0 if newest is None else newest + 1)
+        try:
+            return self._parts.client.count(RangeRead(prefix, prefix_end(prefix)), "counting the waiting nodes")
+        except EtcdError as exc:
+            raise connection_error(exc) from exc
 
     def shutdown(self) -> bool:
         try:
@@ -203,22 +202,27 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
             return
         try:
             self._lease.grant()
-            self._mirror.start()
+            self._mirror.start(self._control_ranges())
         except EtcdError as exc:
             self.close()
             raise connection_error(exc) from exc
         self._started = True
 
-    def _join_and_wait(self, deadline: float) -> tuple[int, SealRecord]:
+    def _join_and_wait(self, deadline: float) -> tuple[int, SealRecord, int]:
+        """Join rounds until one is sealed with this node in it: (its number, its seal, the seal's revision)."""
         with self._mirror.cond:
             newest = latest_sealed(self._layout, self._mirror.items())
         round_no = 0 if newest is None else newest + 1
         rejoins = 0
         while True:
-            seal = self._join(round_no)
-            if seal is None and self._lease.lost is None:
-                seal = self._wait_for_seal(round_no, deadline)
-            if seal is None:
+            self._drop_round_watches()
+            sealed = self._join(round_no)
+            if sealed is None and self._lease.lost is None:
+                with self._mirror.cond:
+                    deletions = self._mirror.deletions
+                self._watch_round(round_no)
+                sealed = self._wait_for_seal(round_no, deadline, deletions)
+            if sealed is None:
                 # Its key vanished while it waited (its lease expired in a stall): it is in no world yet, so it
                 # takes a fresh lease and joins again; a member that loses its lease fails instead.
                 rejoins += 1
@@ -229,8 +233,9 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
                 self._key = None
                 self._renew_lease()
                 continue
+            seal, seal_revision = sealed
             if self._node in seal.members:
-                return round_no, seal
+                return round_no, seal, seal_revision
             round_no += 1  # sealed without this node: the next round
 
     def _renew_lease(self) -> None:
@@ -239,83 +244,89 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
         except EtcdError as exc:
             raise connection_error(exc) from exc
 
-    def _join(self, round_no: int) -> SealRecord | None:
-        """Write this node's key into ``round_no``; the round's seal when it was sealed first."""
+    def _join(self, round_no: int) -> tuple[SealRecord, int] | None:
+        """Write this node's key into ``round_no``; the round's seal (and its revision) when it was sealed first."""
         record = NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no)
         try:
             lease_id = self._lease.grant()
             self.writes += 1
-            joined, seal, closed = try_join(self._parts.client, self._layout, round_no, record, lease_id, self._key)
-            if joined:
-                self._key, self._joined_at = self._layout.node_key(round_no, self._node), joined
+            joined = try_join(self._parts.client, self._layout, round_no, record, lease_id, self._key)
+            if joined.revision:
+                self._key, self._joined_at = self._layout.node_key(round_no, self._node), joined.revision
+                self._sealer = joined.sealer
         except LeaseNotFoundError:
             self._lease.lost = self._lease.lost or f"its node lease was gone when it joined round {round_no}"
             return None  # in no world yet: _join_and_wait takes a fresh lease
         except EtcdError as exc:
             raise connection_error(exc) from exc
-        if closed is not None:
+        if joined.closed is not None:
             raise self._closed_error()
-        if joined:
+        if joined.revision:
             return None
         self.tries += 1
-        if seal is None:
+        if joined.seal is None:
             raise RendezvousConnectionError(f"Joining round {round_no} was refused, but etcd shows no reason.")
-        return self._layout.decode(SealRecord, seal, self._layout.seal_key(round_no))
+        return self._layout.decode(SealRecord, joined.seal, self._layout.seal_key(round_no)), joined.seal_revision
 
-    def _wait_for_seal(self, round_no: int, deadline: float) -> SealRecord | None:
-        """The round's seal once it is there; ``None`` if this node's key vanished before."""
+    def _wait_for_seal(self, round_no: int, deadline: float, deletions: int) -> tuple[SealRecord, int] | None:
+        """The round's seal (and its revision) once it is there; ``None`` if this node's key vanished before.
+
+        A sealer (one of the first joiners) decides from its copy of the whole round when to seal. Any other
+        node waits for the seal, and on a deletion in its round asks whether it is now among the first.
+        """
         due_since: float | None = None
         mirror, layout = self._mirror, self._layout
         seal_key = layout.seal_key(round_no)
         view: RoundView | None = None
-        leader, looked_at, deletions, wake = True, 0.0, -1, None
+        leader, looked_at, wake, revision = True, 0.0, None, 0
         while True:
             with mirror.cond:
                 self._check_locked()
-                revision, entries = mirror.revision, mirror.items()
+                entries = mirror.items()
                 if layout.closed in entries:
                     raise self._closed_error()
                 sealed = entries.get(seal_key)
                 if sealed is not None:
-                    return layout.decode(SealRecord, sealed.value, seal_key)
-                if (self._key not in entries and revision >= self._joined_at) or self._lease.lost is not None:
+                    return layout.decode(SealRecord, sealed.value, seal_key), sealed.mod_revision
+                if self._own_key_gone() or self._lease.lost is not None:
                     return None
-                now = time.monotonic()
-                # Only the first joiner seals, and it stays first until a key is deleted: the others look at
-                # the whole round only after a deletion, or twice a second for the backup seal.
-                if view is None or leader or mirror.deletions != deletions or now - looked_at >= 0.5:
-                    view = view_round(layout, entries, round_no)
+                now, seen = time.monotonic(), mirror.revision
+                deleted, deletions = mirror.deletions != deletions, mirror.deletions
+                promote = deleted and not self._sealer
+                # Only the first joiner seals, and it stays first until a key is deleted: the other sealers look
+                # at the whole round only after a deletion, or twice a second for the backup seal.
+                rounds = mirror.range(ROUNDS)
+                look = view is None or leader or deleted or now - looked_at >= 0.5
+                if self._sealer and rounds is not None and look:
+                    view, revision = view_round(layout, entries, round_no), rounds.revision
                     due = seal_due(view, self._min, self._max)
                     due_since = None if due is None else (due_since or now)
                     wake = self._seal_wake(view, due, due_since)
                     # First unless a key joined before this node's own write (known even before the copy shows it).
                     leader = not view.joined or view.joined[0].create_revision >= self._joined_at
-                    looked_at, deletions = now, mirror.deletions
+                    looked_at = now
             if now >= deadline:
-                raise RendezvousTimeoutError(
-                    f"The rendezvous '{self.get_run_id()}' did not complete within the join timeout of "
-                    f"{self._parts.options.join_timeout:g} s: {len(view.joined)} node(s) joined round {round_no}, "
-                    f"at least {self._min} are needed (and {view.earlier} node(s) of the previous round have not "
-                    "moved on yet)."
-                )
-            if wake is not None and wake <= now:
+                raise self._join_timeout(round_no, view)
+            if promote:
+                self._promote_if_first(round_no)
+                continue
+            if self._sealer and wake is not None and wake <= now and view is not None:
                 self._seal(view, revision)
                 view = None
                 continue
             with mirror.cond:
-                if (
-                    mirror.revision == revision
-                    and mirror.error is None
-                    and self._lease.lost is None
-                    and (self._lease.unavailable is None)
-                ):
+                quiet = mirror.revision == seen and mirror.error is None
+                if quiet and self._lease.lost is None and self._lease.unavailable is None:
                     limit = deadline if wake is None else min(deadline, wake)
-                    if leader:
+                    if not self._sealer or leader:
                         mirror.cond.wait(max(0.0, limit - time.monotonic()))
-                    else:  # only a seal, a close or a departure matters to it
+                    else:  # a backup sealer: only a seal, a close or a departure matters to it
                         mirror.major_cond.wait(max(0.0, min(limit, looked_at + 0.5) - time.monotonic()))
             # Joins arrive in bursts when many nodes start together: let a burst land before looking again.
             time.sleep(_SETTLE)
+
+    def _join_timeout(self, round_no: int, view: RoundView | None) -> RendezvousTimeoutError:
+        return join_timeout_error(self.get_run_id(), self._parts.options.join_timeout, round_no, self._min, view)
 
     def _seal_wake(self, view: RoundView, due: str | None, due_since: float | None) -> float | None:
         """When this node should try to seal: the first joiner at once (or after the last call), others as backup."""
@@ -335,7 +346,7 @@ class NativeRendezvousHandler(SplitBrainGuard, RendezvousHandler):
                 self.tries += 1
                 with self._mirror.cond:  # something changed after `revision`: wait until the copy shows it
                     self._mirror.wait_until(
-                        lambda: self._mirror.revision > revision or self._mirror.error is not None,
+                        lambda: self._saw_since(view.round, revision),
                         time.monotonic() + self._parts.options.client.read_timeout,
                     )
         except LeaseNotFoundError:

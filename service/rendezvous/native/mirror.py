@@ -1,19 +1,24 @@
-"""A local copy of every key under one etcd prefix, kept current by a watch (list, then watch).
+"""A local copy of the run's keys that matter to this node, kept current by watches on one stream (read, then watch).
 
-The native rendezvous decides everything from this copy, so no node polls
-etcd. When the watch breaks (an etcd restart, a fail-over to another member,
-a refused login token), the copy is rebuilt from a fresh read of the whole
-prefix and the watch resumes after that read's revision. Decisions are taken
-from the keys present, not from the events seen, so a key deleted while the
-watch was down (a node that died meanwhile, even with its events compacted
-away) is still noticed: it is simply absent from the fresh read.
+The native rendezvous decides everything from this copy, so no node polls etcd. What it watches depends on the
+node's part in the round (``watching.py``), so that a join costs every other node no event. Each :class:`Range`
+is one of:
 
-If etcd stays unreachable beyond the client's grace window, :attr:`error`
-holds the reason and every waiter is woken to raise it.
+* ``FULL``: every key of the range with its value, in :meth:`Mirror.items`;
+* ``DELETES``: only deletions (etcd filters the puts out before sending): the keys deleted since the range
+  began, and after a re-read the keys absent from it (:meth:`Range.gone`);
+* ``PUTS``: only puts: the keys written since the range began, with their values.
 
-A value that ``forgery`` refuses (on a signed run: unsigned, or signed with
-another secret) is left out of the copy, as if its key were absent, and is
-deleted from etcd (only while the key still holds that value), with a
+A range may stop its watch itself (``until``) once its answer cannot change any more.
+
+When the stream breaks (an etcd restart, a fail-over to another member, a refused login token), every range is
+read again in one transaction, at one revision, and the stream is rebuilt from that revision. Decisions are taken
+from the keys present, not from the events seen, so a key deleted while the stream was down (a node that died
+meanwhile, even with its events compacted away) is still noticed: it is absent from the fresh read. If etcd stays
+unreachable beyond the client's grace window, :attr:`Mirror.error` holds the reason and every waiter is woken.
+
+A value that ``forgery`` refuses (on a signed run: unsigned, or signed with another secret) is left out of the
+copy, as if its key were absent, and is deleted from etcd (only while the key still holds that value), with a
 warning: nobody obeys it, and it cannot block the run's transactions.
 """
 
@@ -23,16 +28,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-from pyetcd.events import DeleteEvent
-from pyetcd.watch import WatchResponse
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from service.rendezvous.client import EtcdClient, EtcdError, WatchCompactedError
+from service.rendezvous.requests import ALL, DELETES, PUTS, RangeRead, WatchSpec
+from service.rendezvous.watchstream import WatchStream
 
 log = logging.getLogger(__name__)
 _COMPACTED_RETRIES = 5
+FULL = ALL
+_LATER_LIMIT = 64  # a re-read of a PUTS range keeps this many of its keys: enough to know someone waits
+_DELETE = 1  # etcd's Event.DELETE
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,40 @@ class Entry:
     mod_revision: int
 
 
-class PrefixMirror:
-    """Every key under ``prefix`` with its value, and the etcd revision the copy reflects."""
+@dataclass(eq=False)
+class Range:
+    """One watched range (``end`` ``None``: the one key ``key``) and what its watch told so far."""
+
+    name: str
+    key: bytes
+    end: bytes | None
+    kind: str  # FULL, DELETES or PUTS
+    start: int = 0  # the revision its watch starts from (0: read it first)
+    until: Callable[[Range], bool] | None = None  # stop watching once this holds
+    deleted: set[bytes] = field(default_factory=set)  # DELETES: keys deleted since it began
+    present: set[bytes] | None = None  # DELETES: the keys of its last re-read, less those deleted since
+    put: dict[bytes, Entry] = field(default_factory=dict)  # PUTS: keys written since it began
+    revision: int = 0  # the newest revision its copy reflects
+    done: bool = False  # ``until`` held: its watch is cancelled
+
+    def covers(self, key: bytes) -> bool:
+        if self.end is None:
+            return key == self.key
+        return key >= self.key and (self.end == b"\0" or key < self.end)
+
+    def gone(self, key: bytes) -> bool:
+        """DELETES: whether ``key`` was deleted since the range began (or was absent from its re-read)."""
+        return key in self.deleted or (self.present is not None and key not in self.present)
+
+    def read(self) -> RangeRead:
+        """How a re-read fetches it: values, keys only for DELETES, the first few for PUTS."""
+        return RangeRead(
+            self.key, self.end, keys_only=self.kind == DELETES, limit=_LATER_LIMIT if self.kind == PUTS else 0
+        )
+
+
+class Mirror:
+    """The watched ranges of one node, on one watch stream, and the revision the copy reflects."""
 
     def __init__(
         self,
@@ -55,7 +94,7 @@ class PrefixMirror:
         forgery: Callable[[bytes, bytes], str | None] = lambda key, value: None,
     ) -> None:
         self._client = client
-        self._prefix = prefix
+        self._prefix = prefix  # every range lies under it
         self._major = major
         self._forgery = forgery
         lock = threading.RLock()
@@ -64,26 +103,29 @@ class PrefixMirror:
         # no other change sleep through the N joins of a big round.
         self.major_cond = threading.Condition(lock)
         self._entries: dict[bytes, Entry] = {}
+        self._ranges: dict[str, Range] = {}
         self._revision = 0
-        self._watcher: Any = None
+        self._stream: WatchStream | None = None
         self._generation = 0
+        self._recovering = 0  # the generation whose broken stream is being rebuilt
         self._stopped = False
         self.error: EtcdError | None = None
-        self.resyncs = 0  # how often the watch was rebuilt, for tests and the benchmark
+        self.resyncs = 0  # how often the stream was rebuilt, for tests and the benchmark
         self.deletions = 0  # keys deleted (or a fresh read that may have dropped some), so far
+        self.received = [0, 0]  # watch events and bytes received on all its streams, for the benchmark
 
     # -- reading the copy (callers hold ``cond`` to see one consistent snapshot) --------------
     @property
     def revision(self) -> int:
         return self._revision
 
-    def snapshot(self) -> tuple[int, dict[bytes, Entry]]:
-        with self.cond:
-            return self._revision, dict(self._entries)
-
     def items(self) -> dict[bytes, Entry]:
-        """The entries; call with ``cond`` held."""
+        """The keys of the FULL ranges; call with ``cond`` held."""
         return self._entries
+
+    def range(self, name: str) -> Range | None:
+        """The range called ``name``; call with ``cond`` held."""
+        return self._ranges.get(name)
 
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Wait (``cond`` held by the caller) until ``ready()`` or the deadline; wakes on every change."""
@@ -94,59 +136,249 @@ class PrefixMirror:
             self.cond.wait(left)
         return True
 
-    # -- keeping it current ----------------------------------------------------
-    def start(self) -> None:
-        """Read the prefix and start watching it; raises ``EtcdError`` when etcd cannot be used."""
+    # -- choosing what to watch -------------------------------------------------------------
+    def start(self, ranges: list[Range]) -> None:
+        """Read ``ranges`` and watch them on a new stream; raises ``EtcdError`` when etcd cannot be used."""
+        with self.cond:
+            for rng in ranges:
+                self._ranges[rng.name] = rng
         self._resync()
+
+    def add(self, rng: Range) -> None:
+        """Watch ``rng`` too: from ``rng.start`` (the caller knows the range up to it), or after reading it now.
+
+        Raises ``EtcdError`` when etcd cannot be used. The watch is asked for, not waited for: etcd sends its
+        events from ``rng.start`` on whenever it confirms it. A stream that breaks meanwhile is rebuilt with it.
+        """
+        with self.cond:
+            if self._stopped:
+                return
+            old = self._ranges.pop(rng.name, None)
+            if old is not None:
+                self._drop(old)
+            self._ranges[rng.name] = rng
+            generation = self._generation
+        if rng.start == 0 and not self._read_into(rng, generation):
+            return  # the stream was rebuilt meanwhile, this range with it
+        with self.cond:
+            if generation == self._generation and self._stream is not None and self._ranges.get(rng.name) is rng:
+                self._stream.create(rng, self._spec(rng))
+            # else: a rebuild is under way, and it takes this range along
+
+    def remove(self, name: str) -> None:
+        """Stop watching the range ``name`` (and forget its keys)."""
+        with self.cond:
+            rng = self._ranges.pop(name, None)
+            if rng is not None:
+                self._drop(rng)
+
+    def set_until(self, name: str, until: Callable[[Range], bool]) -> None:
+        """Stop watching ``name`` once ``until(range)`` holds (at once if it does already)."""
+        with self.cond:
+            rng = self._ranges.get(name)
+            if rng is None or rng.done:
+                return
+            rng.until = until
+            if until(rng):
+                self._finish(rng)
 
     def stop(self) -> None:
         with self.cond:
             self._stopped = True
-            watcher, self._watcher = self._watcher, None
+            stream, self._stream = self._stream, None
             self.cond.notify_all()
             self.major_cond.notify_all()
-        if watcher is not None:
-            watcher.close()
+        if stream is not None:
+            stream.close()
 
+    def _drop(self, rng: Range) -> None:
+        """Forget ``rng`` and cancel its watch (``cond`` held)."""
+        self._forget(rng)
+        if self._stream is not None and not rng.done:
+            self._stream.cancel(rng)
+
+    def _finish(self, rng: Range) -> None:
+        """``rng.until`` holds: cancel its watch, keep what it saw (``cond`` held)."""
+        rng.done = True
+        if self._stream is not None:
+            self._stream.cancel(rng)
+
+    def _forget(self, rng: Range) -> None:
+        if rng.kind == FULL:
+            for key in [k for k in self._entries if rng.covers(k)]:
+                del self._entries[key]
+
+    @staticmethod
+    def _spec(rng: Range) -> WatchSpec:
+        return WatchSpec(rng.key, rng.end, rng.start, rng.kind)
+
+    # -- reading -------------------------------------------------------------------------------
+    def _read_into(self, rng: Range, generation: int) -> bool:
+        """Read ``rng`` now and watch it from there; ``False`` if the stream was rebuilt meanwhile."""
+        revision, [kvs] = self._client.read_ranges([rng.read()], "reading the rendezvous keys")
+        with self.cond:
+            if generation != self._generation or self._ranges.get(rng.name) is not rng:
+                return False
+            forged = self._apply_read(rng, revision, kvs)
+            self.cond.notify_all()
+            self.major_cond.notify_all()
+        self._purge(forged)
+        return True
+
+    def _apply_read(self, rng: Range, revision: int, kvs: list[Any]) -> list[tuple[bytes, bytes]]:
+        """Take a fresh read of ``rng`` at ``revision`` (``cond`` held); the forged values it holds."""
+        forged = [(kv.key, kv.value) for kv in kvs if rng.kind != DELETES and self._forgery(kv.key, kv.value)]
+        refused = {key for key, _ in forged}
+        kept = [kv for kv in kvs if kv.key not in refused]
+        if rng.kind == FULL:
+            self._forget(rng)
+            self._entries.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kept})
+        elif rng.kind == DELETES:
+            rng.present, rng.deleted = {kv.key for kv in kept}, set()
+        else:
+            rng.put.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kept})
+        rng.start, rng.revision = revision + 1, max(rng.revision, revision)
+        self._revision = max(self._revision, revision)
+        self.deletions += 1
+        return forged
+
+    # -- the stream ------------------------------------------------------------------------------
     def _resync(self) -> None:
         for _ in range(_COMPACTED_RETRIES):
             try:
                 return self._resync_once()
             except WatchCompactedError:  # compacted between the read and the watch: read again
                 continue
-        raise EtcdError(f"etcd compacted the history under {self._prefix.decode()} faster than it could be watched.")
+        raise EtcdError("etcd compacted the rendezvous keys' history faster than they could be watched.")
 
     def _resync_once(self) -> None:
-        revision, kvs = self._client.list_prefix(self._prefix, "reading the rendezvous keys")
+        """Read every range at one revision, then watch them all from there on a new stream."""
         with self.cond:
             if self._stopped:
                 return
             self._generation += 1
             generation = self._generation
-            forged = [(kv.key, kv.value) for kv in kvs if self._forgery(kv.key, kv.value) is not None]
-            refused = {key for key, _ in forged}
-            self._entries = {
-                kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs if kv.key not in refused
-            }
-            self.deletions += 1
-            self._revision = max(self._revision, revision)
-            self.cond.notify_all()
-            self.major_cond.notify_all()
-        watcher = self._client.watch_prefix(
-            self._prefix,
-            revision + 1,
-            lambda response: self._on_response(generation, response),
-            "watching the rendezvous keys",
-        )
+            old, self._stream = self._stream, None
+            ranges = [r for r in self._ranges.values() if not r.done]
+        if old is not None:
+            old.close()
+        revision, reads = self._client.read_ranges([r.read() for r in ranges], "reading the rendezvous keys")
+        forged: list[tuple[bytes, bytes]] = []
         with self.cond:
             if self._stopped or generation != self._generation:
-                stale, watcher = watcher, None
-            else:
-                stale, self._watcher = self._watcher, watcher
-        if stale is not None:
-            stale.close()
+                return
+            for rng, kvs in zip(ranges, reads, strict=True):
+                if self._ranges.get(rng.name) is rng:
+                    forged += self._apply_read(rng, revision, kvs)
+            ranges = [r for r in ranges if self._ranges.get(r.name) is r]
+            self.cond.notify_all()
+            self.major_cond.notify_all()
+        stream = self._client.open_watch_stream(
+            [(r, self._spec(r)) for r in ranges],
+            lambda rng, response: self._on_response(generation, cast(Range, rng), response),
+            lambda error: self._on_end(generation, error),
+            "watching the rendezvous keys",
+            self.received,
+        )
+        with self.cond:
+            current = not self._stopped and generation == self._generation
+            if current:
+                self._stream = stream
+                for rng in self._ranges.values():  # added while the stream was opened
+                    if rng not in ranges and not rng.done:
+                        stream.create(rng, self._spec(rng))
+                for rng in ranges:  # removed while it was opened
+                    if self._ranges.get(rng.name) is not rng:
+                        stream.cancel(rng)
+        if not current:
+            stream.close()
         self._purge(forged)
 
+    def _rebuild(self, generation: int) -> None:
+        """Rebuild the stream of ``generation`` (once), on a thread of its own."""
+        with self.cond:
+            if self._stopped or generation != self._generation or self._recovering == generation:
+                return
+            self._recovering = generation
+        threading.Thread(target=self._recover, name="etcd3-rdzv-resync", daemon=True).start()
+
+    def _on_end(self, generation: int, error: BaseException | None) -> None:
+        """The stream ended (an error, or ``None`` when closed here): rebuild unless stopped or superseded."""
+        with self.cond:
+            if self._stopped or generation != self._generation or self._stream is None:
+                return  # stopped, superseded, or still opening (the opening sees the error itself)
+        log.info("The rendezvous watch broke (%s); reading the keys again.", error)
+        self._rebuild(generation)
+
+    def _on_response(self, generation: int, rng: Range, response: Any) -> None:
+        if response.canceled:  # etcd refused or ended this watch (its history compacted away): read afresh
+            if self._stream is not None:  # (while the stream opens, the opening sees the refusal itself)
+                log.info("etcd ended the rendezvous watch on %s (%s); reading the keys again.",
+                         rng.key.decode(errors="replace"), response.cancel_reason or "compacted")  # fmt: skip
+                self._rebuild(generation)
+            return
+        forged: list[tuple[bytes, bytes]] = []
+        with self.cond:
+            if generation != self._generation or self._ranges.get(rng.name) is not rng or rng.done:
+                return
+            major = False
+            for event in response.events:
+                deleted = event.type == _DELETE
+                kv = event.kv
+                refused = not deleted and self._forgery(kv.key, kv.value) is not None
+                if refused:
+                    forged.append((kv.key, kv.value))
+                major = self._take(rng, kv, deleted, refused) or major
+            rng.revision = max(rng.revision, int(response.header.revision))
+            self._revision = max(self._revision, int(response.header.revision))
+            if rng.until is not None and rng.until(rng):
+                self._finish(rng)
+            self.cond.notify_all()
+            if major:
+                self.major_cond.notify_all()
+        self._purge(forged)
+
+    def _take(self, rng: Range, kv: Any, deleted: bool, refused: bool) -> bool:
+        """Apply one event to ``rng`` (``cond`` held); whether it matters to a waiter on ``major_cond``."""
+        key = kv.key
+        if rng.kind == FULL:
+            if deleted or refused:  # a forged value counts as no value
+                if self._entries.pop(key, None) is not None or deleted:
+                    self.deletions += 1
+                    return True
+                return False
+            self._entries[key] = Entry(kv.value, kv.create_revision, kv.mod_revision)
+            return self._major(key)
+        if rng.kind == DELETES:
+            if deleted:
+                rng.deleted.add(key)
+                if rng.present is not None:
+                    rng.present.discard(key)
+                self.deletions += 1
+            return deleted
+        if not deleted and not refused:
+            rng.put[key] = Entry(kv.value, kv.create_revision, kv.mod_revision)
+            return True
+        return False
+
+    def _recover(self) -> None:
+        try:
+            self._resync()
+            with self.cond:
+                self.resyncs += 1
+        except EtcdError as exc:
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+                self.major_cond.notify_all()
+        except Exception as exc:  # never let a bug here leave waiters asleep
+            log.exception("Rebuilding the rendezvous watch failed (%s).", type(exc).__name__)
+            with self.cond:
+                self.error = EtcdError(f"Rebuilding the rendezvous watch failed: {exc}")
+                self.cond.notify_all()
+                self.major_cond.notify_all()
+
+    # -- forged values -------------------------------------------------------------------------
     def _purge(self, forged: list[tuple[bytes, bytes]]) -> None:
         """Delete forged values (each only while its key still holds it), off the watch's thread."""
         if forged:
@@ -166,51 +398,3 @@ class PrefixMirror:
                 self._client.delete_if_value(key, value, "deleting a forged rendezvous key")
             except EtcdError as exc:
                 log.warning("Deleting the forged rendezvous key %s failed (%s); it stays ignored.", name, exc)
-
-    def _on_response(self, generation: int, response: Any) -> None:
-        if isinstance(response, WatchResponse):
-            with self.cond:
-                if generation != self._generation:
-                    return
-                major = False
-                forged = []
-                for event in response.events:
-                    refused = not isinstance(event, DeleteEvent) and self._forgery(event.key, event.value) is not None
-                    if refused:
-                        forged.append((event.key, event.value))
-                    if isinstance(event, DeleteEvent) or refused:  # a forged value counts as no value
-                        if self._entries.pop(event.key, None) is not None or isinstance(event, DeleteEvent):
-                            self.deletions += 1
-                            major = True
-                    else:
-                        self._entries[event.key] = Entry(event.value, event.create_revision, event.mod_revision)
-                        major = major or self._major(event.key)
-                self._revision = max(self._revision, int(response.header.revision))
-                self.cond.notify_all()
-                if major:
-                    self.major_cond.notify_all()
-            self._purge(forged)
-            return
-        # The stream ended (an error, or None when closed): rebuild unless stopped or superseded.
-        with self.cond:
-            if self._stopped or generation != self._generation:
-                return
-        log.info("The rendezvous watch on %s broke (%s); reading the keys again.", self._prefix.decode(), response)
-        threading.Thread(target=self._recover, name="etcd3-rdzv-resync", daemon=True).start()
-
-    def _recover(self) -> None:
-        try:
-            self._resync()
-            with self.cond:
-                self.resyncs += 1
-        except EtcdError as exc:
-            with self.cond:
-                self.error = exc
-                self.cond.notify_all()
-                self.major_cond.notify_all()
-        except Exception as exc:  # never let a bug here leave waiters asleep
-            log.exception("Rebuilding the rendezvous watch failed (%s).", type(exc).__name__)
-            with self.cond:
-                self.error = EtcdError(f"Rebuilding the rendezvous watch failed: {exc}")
-                self.cond.notify_all()
-                self.major_cond.notify_all()

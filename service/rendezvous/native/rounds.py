@@ -2,8 +2,10 @@
 
 A node joins round ``t`` (the round after the newest sealed one) with one
 transaction that writes its :class:`NodeRecord` on its own lease, and only if
-``t`` is not sealed yet and the run is not closed. Round ``t`` is sealed by
-one transaction that writes its :class:`SealRecord` only if
+``t`` is not sealed yet and the run is not closed; the same transaction tells
+it whether it is among the round's first ``SEALERS`` joiners, who watch the
+whole round and may seal it. Round ``t`` is sealed by one transaction that
+writes its :class:`SealRecord` only if
 
 * nobody sealed ``t`` before (``create_revision`` of the seal key is 0),
 * the run is not closed,
@@ -23,13 +25,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from service.rendezvous.client import EtcdClient, EtcdError, prefix_end
 from service.rendezvous.native.mirror import Entry
 from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
+from service.rendezvous.requests import RangeRead, delete_op, put_op, txn_request
 
 log = logging.getLogger(__name__)
 _PURGES = 5  # joins refused by forged values (each then deleted) before giving up
+# The first joiners of a round (by join revision) watch all its keys and may seal it: the first seals, the others
+# step in if it has not one liveness timeout later. Every other node watches only the seals and its round's
+# deletions, so a join costs it no event.
+SEALERS = 3
 
 
 @dataclass(frozen=True)
@@ -117,39 +125,92 @@ def seal_due(view: RoundView, min_nodes: int, max_nodes: int) -> str | None:
     return "last_call"
 
 
+class Joined(NamedTuple):
+    """What a join transaction found: the revision of its write (0: refused), whether this node is among the
+    round's first ``SEALERS`` joiners, the round's seal if it was sealed first, the closed record if closed."""
+
+    revision: int
+    sealer: bool
+    seal: bytes | None
+    closed: bytes | None
+    seal_revision: int = 0  # the revision the seal was written at
+
+
+def first_joiners_read(layout: Layout, round_no: int) -> RangeRead:
+    """The round's first ``SEALERS`` keys by join order, with values (a forged one must not take a place)."""
+    prefix = layout.round_prefix(round_no)
+    return RangeRead(prefix, prefix_end(prefix), limit=SEALERS, by_create=True)
+
+
 def try_join(
     client: EtcdClient, layout: Layout, round_no: int, record: NodeRecord, lease_id: int, leave: bytes | None
-) -> tuple[int, bytes | None, bytes | None]:
-    """Write this node's key into ``round_no`` (deleting ``leave``, its key of an earlier round) in one transaction.
+) -> Joined:
+    """Write this node's key into ``round_no`` (deleting ``leave``, its key of an earlier round) in one transaction,
+    which also reads the round's first joiners: whether this node is one of its sealers (``among_sealers``).
 
-    Returns (the revision of the write, 0 if it was refused; the round's seal value if it was sealed; the
-    closed record if the run is closed). On a signed run, a forged seal or ``closed`` that refused the write
-    is deleted and the join tried again (``EtcdError`` if someone keeps writing them).
+    On a signed run, a forged seal or ``closed`` that refused the write is deleted and the join tried again
+    (``EtcdError`` if someone keeps writing them).
     """
     tx = client.raw.transactions
     key, seal_key = layout.node_key(round_no, record.node), layout.seal_key(round_no)
-    success = [tx.put(key, layout.encode(key, record), lease=lease_id)]
+    prefix = layout.round_prefix(round_no)
+    # How many keys the round holds with this one: counting costs etcd no read of their values. On a signed run
+    # the first joiners are read too: a forged key must not take a sealer's place (``among_sealers``).
+    success = [
+        put_op(key, layout.encode(key, record), lease_id),
+        RangeRead(prefix, prefix_end(prefix), count_only=True).op(),
+    ]
+    if layout.secret is not None:
+        success.append(first_joiners_read(layout, round_no).op())
     if leave is not None and leave != key:
-        success.insert(0, tx.delete(leave))
+        success.insert(0, delete_op(leave))
+    request = txn_request(
+        [tx.create(seal_key) == 0, tx.version(layout.closed) == 0],
+        success,
+        [RangeRead(seal_key).op(), RangeRead(layout.closed).op()],
+    )
     for _ in range(_PURGES):
-        won, responses = client.call(
-            lambda c: c.transaction(
-                compare=[tx.create(seal_key) == 0, tx.version(layout.closed) == 0],
-                success=success,
-                failure=[tx.get(seal_key), tx.get(layout.closed)],
-            ),
-            "joining the rendezvous round",
-        )
-        if won:
-            return int(responses[-1].response_put.header.revision), None, None
-        seal = responses[0][0][0] if responses[0] else None
-        closed = responses[1][0][0] if responses[1] else None
+        response = client.txn(request, "joining the rendezvous round")
+        if response.succeeded:
+            if layout.secret is None:  # every key counts: the first SEALERS joiners found at most SEALERS keys
+                sealer = response.responses[-1].response_range.count <= SEALERS
+            else:
+                sealer = among_sealers(client, layout, round_no, key, list(response.responses[-1].response_range.kvs))
+            return Joined(int(response.header.revision), sealer, None, None)
+        seals, closes = (r.response_range.kvs for r in response.responses)
+        seal, closed = _value(seals), _value(closes)
         if not (delete_forged(client, layout, layout.closed, closed) or delete_forged(client, layout, seal_key, seal)):
-            return 0, seal, closed
+            return Joined(0, False, seal, closed, int(seals[0].mod_revision) if seals else 0)
     raise EtcdError(
         f"Joining round {round_no} was refused {_PURGES} times by values that no agent of this signed run wrote; "
         "someone keeps writing them under the run's prefix. Restrict it with etcd's authentication."
     )
+
+
+def among_sealers(client: EtcdClient, layout: Layout, round_no: int, key: bytes, first: list[Any] | None) -> bool:
+    """Whether ``key`` is among the first ``SEALERS`` keys of the round (``first``: as just read, else read now).
+
+    Forged keys (a signed run's values that no agent wrote) take no place: they are deleted and the round read
+    again, so a writer without the secret cannot leave a round without anyone to seal it.
+    """
+    for _ in range(_PURGES):
+        if first is None:
+            _, [first] = client.read_ranges([first_joiners_read(layout, round_no)], "reading the first joiners")
+        forged = [kv for kv in first if layout.forgery(kv.key, kv.value) is not None]
+        valid = [kv.key for kv in first if kv not in forged]
+        if key in valid or not forged:
+            return key in valid
+        for kv in forged:
+            delete_forged(client, layout, kv.key, kv.value)
+        first = None
+    raise EtcdError(
+        f"Round {round_no}'s first places were taken {_PURGES} times by values that no agent of this signed run "
+        "wrote; someone keeps writing them under the run's prefix. Restrict it with etcd's authentication."
+    )
+
+
+def _value(kvs: Any) -> bytes | None:
+    return bytes(kvs[0].value) if kvs else None
 
 
 def try_seal(
