@@ -13,10 +13,12 @@ is this state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -36,12 +38,40 @@ class _Held:
 _HELD = _Held()
 
 
-def hold() -> None:
-    """Note the stop signals from now on (the main thread only; elsewhere, and a second time, nothing)."""
+def hold(defaults: bool = False) -> None:
+    """Note the stop signals from now on (the main thread only; elsewhere, and a second time, nothing).
+
+    ``defaults``: start as a new interpreter would, whatever this process inherited (a worker forked from
+    ``launch``'s fork server, which ignores them: :func:`ignore`): none is blocked, and what :func:`release` gives
+    back is each signal's default action."""
     if _HELD.previous or threading.current_thread() is not threading.main_thread():
         return
     _HELD.since = _HELD.since or time.time()
     _HELD.previous = {sig: signal.signal(sig, _HELD.note) for sig in HELD}
+    if defaults:
+        _HELD.previous = dict.fromkeys(HELD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+
+
+@contextlib.contextmanager
+def ignore_in_children(signals: tuple[signal.Signals, ...] = HELD) -> Iterator[None]:
+    """Processes started (fork and exec) inside this block ignore ``signals``: a helper that must outlive them,
+    such as multiprocessing's resource tracker. They are blocked meanwhile (and stay blocked in those children),
+    so one that comes now reaches this process's own handler at the end of the block, not the ignore."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def ignore() -> None:
+    """This process ignores the stop signals from now on (``launch``'s fork server: :mod:`service.ops.fork_server`)."""
+    for sig in HELD:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def started() -> float | None:

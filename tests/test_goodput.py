@@ -442,8 +442,8 @@ def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(
         os.kill(workers[0], signal.SIGKILL)  # rank 0: its ledger stops at its last record, at most 0.25 s ago
         killed = time.time()
         old_exit = wait_for(lambda: gone(workers[1]) and time.time(), 40, "the first rank 1 exits")
-        new = wait_for(lambda: (worker_pids(proc.pid).get(0) or 0) not in (0, workers[0]) and worker_pids(proc.pid)[0],
-                       60, "a new rank 0")  # fmt: skip
+        old = set(workers.values())  # forked workers are told apart by their start order: the old rank 1 lingers
+        new = wait_for(lambda: (pid := worker_pids(proc.pid).get(0, 0)) not in (0, *old) and pid, 60, "a new rank 0")
         new_start = proc_start(new)
         watcher.wait_for(r"\[rank 0\] INFO step 20/", timeout=60)
         os.kill(proc.pid, signal.SIGTERM)

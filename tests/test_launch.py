@@ -19,7 +19,7 @@ import pytest
 from conftest import QUICK, REPO, child_env, kill_group, read_summary, run_job
 from hypothesis import given
 from hypothesis import strategies as st
-from procs import fork_server_workers, worker_pids
+from procs import descendants, fork_server_workers, worker_pids
 from test_resume_e2e import LineWatcher, watch
 from test_resume_e2e import finish as finish_watched
 
@@ -295,13 +295,29 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
     run_job(tmp_path / "straight", 2, *job)
     straight = read_summary(tmp_path / "straight")
     sets = [item for override in (*job, f"run_dir={tmp_path / 'run'}") for item in ("--set", override)]
-    proc, watcher = start("--nproc-per-node=2", "--max-restarts=1", *sets)
+    # OMP_NUM_THREADS unset, as in a user's shell: torchrun sets it to 1 for two processes per node after the fork
+    # server imported torch, and the forked workers must size their thread pool by it as new interpreters would.
+    env = {key: value for key, value in child_env(PYTHONUNBUFFERED="1").items() if key != "OMP_NUM_THREADS"}
+    cmd = launch_cmd("--nproc-per-node=2", "--max-restarts=1", *sets)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    watcher = LineWatcher(proc)
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 8/", timeout=120)
+        assert re.search(r"process group up: attempt 0 .* intra-op threads=1$", watcher.text(), re.M), watcher.text()
         server, workers = fork_server_workers(proc.pid)
         assert server and len(workers) == 2, (server, workers)
         holder = json.loads((tmp_path / "run" / ".lock").read_text())
         assert holder["pid"] in workers  # the lock names the worker, not the fork server or the agent
+        # Slurm's scancel and a container's stop signal every process: the fork server (and multiprocessing's
+        # resource tracker) must outlive those signals, or its workers die with it before they can checkpoint.
+        helpers = [server, *(pid for pid in descendants(proc.pid) if b"resource_tracker" in cmdline(pid))]
+        assert len(helpers) == 2, helpers
+        for pid in helpers:
+            for sig in (signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT, signal.SIGTERM):
+                os.kill(pid, sig)
+        time.sleep(1)
+        assert all(alive(pid) for pid in (*helpers, *workers)), watcher.text()[-3000:]
         os.kill(workers[0], signal.SIGKILL)
         watcher.wait_for(r"process group up: attempt 1", timeout=60)
         again, restarted = fork_server_workers(proc.pid)
@@ -328,6 +344,13 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         for pid in (server, *workers):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def alive(pid: int) -> bool:

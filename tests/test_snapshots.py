@@ -195,8 +195,10 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
 
 
 def test_with_snapshot_every_three_only_every_third_step_is_snapshotted(tmp_path):
-    """checkpoint.snapshot_every=N takes the state of steps N, 2N, ... (the other tests and the real runs use 1)."""
-    writer = SnapshotWriter(area_for(tmp_path), 3, HASH, "L", cuda=False)
+    """checkpoint.snapshot_every=N takes the state of steps N, 2N, ... (the other tests and the real runs use 1):
+    the schedule says which steps are due, the writer writes those."""
+    schedule = SnapshotSchedule(3, 0, lambda: [], agree=lambda proposal: proposal)
+    writer = SnapshotWriter(area_for(tmp_path), HASH, "L", cuda=False)
     writer.preflight(torch.nn.Linear(2, 2))
     taken: list[int] = []
 
@@ -205,6 +207,8 @@ def test_with_snapshot_every_three_only_every_third_step_is_snapshotted(tmp_path
         return state_at(step)
 
     for step in range(1, 8):
+        if not schedule.due(step):
+            continue
         writer.capture(step, lambda step=step: state(step))
         deadline = time.monotonic() + 10
         while writer.written < len(taken) and time.monotonic() < deadline:  # each one written before the next step

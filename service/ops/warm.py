@@ -23,11 +23,13 @@ import logging
 import os
 from pathlib import Path
 
+from service import early
 from service.world.env import AGENT_PID
 
 log = logging.getLogger("service.ops.launcher")
 
 WORKER = Path(__file__).resolve().parent.parent / "worker.py"  # what each worker runs: service/worker.py
+FORK_SERVER = "service.ops.fork_server"  # imported first by the fork server: it ignores the stop signals
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "service.entry", "service.cli", "service.loop.runtime",
            "service.loop.train", "service.loop.session")  # fmt: skip
 
@@ -54,9 +56,11 @@ def warm_workers(namespace: argparse.Namespace, task: str) -> None:
     so its imports overlap the agent's rendezvous."""
     import multiprocessing
     import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    import signal
 
     os.environ[AGENT_PID] = str(os.getpid())  # the fork server and its workers inherit it
-    modules = [*PRELOAD, *task_module(task)]
+    modules = [FORK_SERVER, *PRELOAD, *task_module(task)]
     multiprocessing.set_forkserver_preload(modules)
     args = list(namespace.training_script_args)
     if not namespace.module:  # --script: a script with its own loop
@@ -64,5 +68,12 @@ def warm_workers(namespace: argparse.Namespace, task: str) -> None:
     namespace.training_script, namespace.training_script_args = str(WORKER), args
     namespace.run_path, namespace.module, namespace.start_method = True, False, "forkserver"
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoJoinTraceback())
+    # The fork server (service.ops.fork_server, its first import) and multiprocessing's resource tracker ignore
+    # the stop signals that Slurm's scancel and a container's stop send to every process of the step: a fork
+    # server ended by one would end its workers before they checkpoint, and a tracker ended so is restarted empty
+    # and prints a KeyError traceback for each name it is then asked to forget (it ignores SIGINT and SIGTERM
+    # itself). The agent and the workers keep their own handlers.
+    with early.ignore_in_children((signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)):
+        multiprocessing.resource_tracker.ensure_running()
     multiprocessing.forkserver.ensure_running()
     log.info("launch: workers start from a fork server that imports %s once (warm restarts)", ", ".join(modules))

@@ -131,8 +131,8 @@ def init_distributed(world: WorldInfo, requested_backend: str, timeout_seconds: 
         timeout=timeout,
     )
     control = dist.new_group(backend="gloo")
-    log.info("process group up: attempt %d backend=%s device=%s world_size=%d", world.restart_count,
-             backend, device, world.world_size)  # fmt: skip
+    log.info("process group up: attempt %d backend=%s device=%s world_size=%d intra-op threads=%d",
+             world.restart_count, backend, device, world.world_size, torch.get_num_threads())  # fmt: skip
     return DistContext(
         backend=backend,
         device=device,

@@ -432,18 +432,20 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
     run_dir, steps, conf = tmp_path / "run", 30, "ttl=12"
     job = train_args(run_dir, steps, *slow_task(0.1))
     first = [agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf) for addr in ("127.0.0.2", "127.0.0.3")]
-    first[0].wait_for(r"\[rank 0\] INFO step 3/", 120)
-    for agent in first:
-        agent.sigterm()
-    for agent in first:
-        assert agent.wait(60) != 0, agent.log()[-3000:]
+    # The rerun's agents start now and wait at their gate (before any rendezvous): their start-up (torch's import,
+    # several seconds on a busy machine) must not eat the inherited lease's 12 s before the gate opens.
     gate = tmp_path / "go"
     rerun = [
         agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf, gate=gate)
         for addr in ("127.0.0.2", "127.0.0.3")
     ]
     for agent in rerun:
-        agent.wait_for("gated agent ready", 60)
+        agent.wait_for("gated agent ready", 120)
+    first[0].wait_for(r"\[rank 0\] INFO step 3/", 120)
+    for agent in first:
+        agent.sigterm()
+    for agent in first:
+        assert agent.wait(60) != 0, agent.log()[-3000:]
     deadline = time.monotonic() + 20
     while (left := lease_seconds_left(etcd_server.endpoint, run_id)) > 3:
         assert time.monotonic() < deadline, left
