@@ -33,6 +33,7 @@ from service.rendezvous.retry import PAUSE_CAP, SLOW_START_CAP, Backoff, RetryWi
 
 from .conftest import EtcdMember, free_port
 from .proxy import SlowAcceptProxy
+from .test_native import together
 
 LOCAL_SUBCHANNELS = ("grpc.use_local_subchannel_pool", 1)
 
@@ -223,36 +224,12 @@ def test_a_mass_start_against_an_etcd_slow_to_accept_completes(
     n = 12
     with SlowAcceptProxy(etcd_server.endpoint, gap=0.3, hold=1.5) as proxy:
         params = RendezvousParameters("etcd3", proxy.endpoint, run_id, n, n, local_addr="127.0.0.1", join_timeout="60")
-        built: list[Any] = [None] * n
-
-        def build(i: int) -> None:
-            try:
-                built[i] = get_rendezvous_handler(params)
-            except BaseException as exc:  # reported below
-                built[i] = exc
-
-        threads = [threading.Thread(target=build, args=(i,)) for i in range(n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(90)
+        built = together(*(lambda: get_rendezvous_handler(params) for _ in range(n)), timeout=90)
         handlers = [h for h in built if h is not None and not isinstance(h, BaseException)]
         try:
             assert len(handlers) == n, [h for h in built if not hasattr(h, "next_rendezvous")]
             assert proxy.accepted >= n
-            infos: list[Any] = [None] * n
-
-            def join(i: int) -> None:
-                try:
-                    infos[i] = handlers[i].next_rendezvous()
-                except BaseException as exc:  # reported below
-                    infos[i] = exc
-
-            threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(90)
+            infos = together(*(h.next_rendezvous for h in handlers), timeout=90)
             assert all(hasattr(i, "world_size") for i in infos), infos
             assert sorted(i.rank for i in infos) == list(range(n)) and {i.world_size for i in infos} == {n}
         finally:
@@ -266,23 +243,6 @@ def _events_sent(endpoint: str) -> int:
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
     counter = "etcd_debugging_mvcc_events_total "
     return int(next(float(line.split()[1]) for line in text.splitlines() if line.startswith(counter)))
-
-
-def _together(calls: list[Any], timeout: float = 60) -> list[Any]:
-    results: list[Any] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = calls[i]()
-        except BaseException as exc:  # reported to the test
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    return results
 
 
 def test_a_round_and_a_re_formed_round_cost_each_node_a_few_watch_events_not_one_per_join(
@@ -299,7 +259,7 @@ def test_a_round_and_a_re_formed_round_cost_each_node_a_few_watch_events_not_one
     open_ones = list(handlers)
     try:
         before = _events_sent(etcd_server.endpoint)
-        infos = _together([h.next_rendezvous for h in handlers])
+        infos = together(*(h.next_rendezvous for h in handlers))
         assert {getattr(i, "world_size", i) for i in infos} == {n}, infos
         time.sleep(0.5)  # events still on their way to a slow watcher count too
         formed = _events_sent(etcd_server.endpoint) - before
@@ -309,7 +269,7 @@ def test_a_round_and_a_re_formed_round_cost_each_node_a_few_watch_events_not_one
         while not all(h.num_nodes_waiting() for h in survivors) and time.monotonic() < deadline:
             time.sleep(0.05)
         before = _events_sent(etcd_server.endpoint)
-        infos = _together([h.next_rendezvous for h in survivors])
+        infos = together(*(h.next_rendezvous for h in survivors))
         assert {getattr(i, "world_size", i) for i in infos} == {n - 1}, infos
         time.sleep(0.5)
         reformed = _events_sent(etcd_server.endpoint) - before
