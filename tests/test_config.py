@@ -221,3 +221,11 @@ def test_every_key_suggests_itself_and_nonsense_suggests_nothing():
     assert {"train", "train.lr", "checkpoint.async", "logging.all_ranks", "task_options"} <= set(keys)
     assert all(nearest_key(key) == key for key in keys)
     assert nearest_key("zzzzqqq") is None
+
+
+@pytest.mark.parametrize("value", ["often", "-1", "true", "1.5"])
+def test_a_bad_snapshot_interval_is_refused_naming_the_key_and_what_it_takes(value):
+    with pytest.raises(ConfigError, match=r"checkpoint\.snapshot_every: .*must be auto .* or a whole number of steps"):
+        load_config(None, [f"checkpoint.snapshot_every={value}"])
+    assert load_config(None).checkpoint.snapshot_every == "auto"  # the default
+    assert [load_config(None, [f"checkpoint.snapshot_every={v}"]).checkpoint.snapshot_every for v in (0, 7)] == [0, 7]
