@@ -1,9 +1,8 @@
 """The service's training loops (the task loop, and a script's own loop on ``service.Session``) against a bare,
-hand-written DDP loop in the seed's style.
+hand-written DDP loop in the seed's style, epoch for epoch in the same processes.
 
 Same model (the shapes UNet), data, batch, SGD (lr 0.05, momentum 0.9) and
-gloo processes (``--world``, 2 by default); the two alternate within one
-invocation so drift on the machine hits both alike. What is compared:
+gloo processes (``--world``, 2 by default). What is compared:
 
 - clipping: both clip the gradient norm to ``--grad-clip`` (1.0, the
   service's default ``train.grad_clip``). Clipping is training math the job
@@ -15,28 +14,42 @@ invocation so drift on the machine hits both alike. What is compared:
 - on in the service, as in every job: the per-step RNG reseed, the LR
   schedule (LambdaLR, cosine; the bare keeps its lr: the same work per step),
   the non-finite guard (``train.nonfinite: stop``), the preemption agreement,
-  the plan sampler, the checked collate, and the hang watchdog (the loop's
-  progress marks, and its thread publishing once a second).
+  the plan sampler, the checked collate, the in-memory snapshots
+  (``checkpoint.snapshot_every: auto``, at most 1% of the step time by
+  construction) and the hang watchdog (the loop's progress marks, and its
+  thread publishing once a second).
 
-Prints each loop's median step time on two clocks, wall and CPU
-(``time.process_time`` of rank 0, all its threads), and the throughput ratio
-service / bare (target >= 0.99). On a shared machine both clocks swing by
-several percent between runs: a 1% difference needs an idle machine, or the
-per-call costs measured in isolation.
+**Interleaved in one job.** Each round is one ``torchrun`` job per service
+loop (``service``: the task loop; ``session``: the bare loop's step in a
+script on ``service.Session``) in which every epoch of the service's loop is
+paired with an epoch of the bare loop (its own DDP model, DistributedSampler and
+DataLoader, on the same process group), the two in turn, first one then the
+other (ABBA), in the same processes. On this 2-core VM the speed of a process
+swings by up to 30% from one start to the next (the same bare loop: 5.8 and 7.6
+ms of forward in two consecutive runs), far more than the 1% measured, so
+separate jobs per loop cannot show it; within one process the pair sees the
+same CPU. Both loops then also run beside the service's background threads
+(the hang watchdog, the snapshot writer, gloo's): their CPU is counted apart,
+per step of the service's loop, from ``/proc/self/task`` on rank 0.
 
-    python bench/overhead.py [--rounds 3] [--epochs 4] [--batch 8] [--world 2] [--grad-clip 1.0]
-                             [--task builtin|step_fn]
+Prints, per loop: the median wall and main-thread CPU time per step of the
+service's epochs and of their bare partners, the median of the pairs' ratios
+bare / service (target >= 0.99), and the background threads' CPU per step.
 
-The session mode runs the bare loop's step in a script on ``service.Session``:
+    python bench/overhead.py [--rounds 3] [--epochs 4] [--train-size 2048] [--batch 8] [--world 2] [--grad-clip 1.0]
+                             [--task builtin|step_fn] [--loops service,session] [--set KEY=VALUE ...]
+
+The session loop runs the bare loop's step in a script on ``service.Session``:
 the same boundary as the task loop, the same step as the bare loop.
 
-``--task step_fn`` runs the service on the same task given as a ``step_fn``
+``--task step_fn`` runs the task loop on the same task given as a ``step_fn``
 (``Task.step_fn`` instead of ``loss_fn``), the path real training code takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -45,11 +58,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
-TRAIN_SIZE = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every job of one invocation runs: its command line's choices."""
+
+    epochs: int
+    batch: int
+    size: int  # training samples (an epoch: size / (batch x world) steps)
+    task: str
+    clip: float | None
+    sets: tuple[str, ...]
 
 
 def shapes_own_step(spec):  # noqa: ANN001, ANN201 - a task function: TaskSpec -> Task
@@ -63,101 +88,153 @@ def shapes_own_step(spec):  # noqa: ANN001, ANN201 - a task function: TaskSpec -
     return dataclasses.replace(task, loss_fn=None, step_fn=lambda model, batch: loss_fn(model(batch[0]), batch[1]))
 
 
-def worker(mode: str, epochs: int, batch: int, out: Path, task: str, clip: float | None) -> None:
-    """Runs under torchrun; writes this rank's (wall, CPU) seconds per step for each epoch."""
-    if mode == "bare":
-        times = bare(epochs, batch, clip)
-    elif mode == "session":
-        times = session(epochs, batch, clip)
-    else:
-        times = service(epochs, batch, task, clip)
+Epoch = dict  # one timed epoch: {"loop": "bare" or the service's, "wall": s/step, "cpu": main thread s/step, ...}
+
+
+def worker(mode: str, setup: Setup, out: Path) -> None:
+    """Runs under torchrun: the service's loop (``mode``) and the bare loop in turn; rank 0 writes its epochs."""
+    rows = session(setup) if mode == "session" else service(setup)
     if int(os.environ["RANK"]) == 0:
-        out.write_text(json.dumps(times))
+        out.write_text(json.dumps(rows))
 
 
-def bare(epochs: int, batch: int, clip: float | None) -> list[tuple[float, float]]:
-    """The seed's loop: DDP + DistributedSampler + SGD, and the service's clipping (``--grad-clip``)."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
+class Bare:
+    """The seed's loop: DDP + DistributedSampler + SGD and the service's clipping (``--grad-clip``), on the process
+    group the service has set up; one epoch per call."""
 
-    from service.tasks.shapes import UNet, make_shapes
+    def __init__(self, setup: Setup) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler
 
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    dataset = make_shapes(TRAIN_SIZE, 32, seed=0)
-    sampler = DistributedSampler(dataset, seed=0)
-    loader = DataLoader(dataset, batch_size=batch, shuffle=False, sampler=sampler)
-    model = DDP(UNet())
-    criterion = torch.nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    times = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+        from service.tasks.shapes import UNet, make_shapes
+
+        torch.manual_seed(0)
+        dataset = make_shapes(setup.size, 32, seed=0)
+        self.sampler = DistributedSampler(dataset, seed=0)
+        self.loader = DataLoader(dataset, batch_size=setup.batch, shuffle=False, sampler=self.sampler)
+        self.model = DDP(UNet())
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.clip = setup.clip
+        self.epoch = 0
+
+    def run_epoch(self) -> Epoch:
+        import torch
+        import torch.distributed as dist
+
+        model, optimizer, criterion, clip = self.model, self.optimizer, self.criterion, self.clip
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
         dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        for images, masks in loader:
-            optimizer.zero_grad()
-            loss = criterion(model(images), masks)
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-        times.append(((time.perf_counter() - start) / len(loader), (time.process_time() - cpu) / len(loader)))
-    # Untimed teardown: free DDP before its process group, or gloo can hang or abort at exit
-    # (the reason service.world.distributed.shutdown_distributed collects first).
-    del model, optimizer
-    gc.collect()
-    dist.destroy_process_group()
-    return times
+        with Clocks("bare") as clocks:
+            for images, masks in self.loader:
+                optimizer.zero_grad()
+                loss = criterion(model(images), masks)
+                loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                clocks.steps += 1
+        return clocks.row
+
+    def close(self) -> None:
+        """Free DDP before the process group goes (gloo can hang or abort at exit otherwise)."""
+        del self.model, self.optimizer
+        gc.collect()
 
 
-def _overrides(epochs: int, batch: int, run_dir: str) -> list[str]:
+class Clocks:
+    """Wall and main-thread CPU seconds per step of one epoch, and the other threads' CPU seconds in it."""
+
+    def __init__(self, loop: str) -> None:
+        self.loop, self.steps, self.row = loop, 0, {}
+
+    def __enter__(self) -> Clocks:
+        self.others = background_cpu()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, cpu = time.perf_counter() - self.wall, time.thread_time() - self.cpu
+        steps = max(self.steps, 1)
+        others = {name: seconds - self.others.get(name, 0.0) for name, seconds in background_cpu().items()}
+        self.row = {"loop": self.loop, "wall": wall / steps, "cpu": cpu / steps, "steps": self.steps,
+                    "background": sum(others.values()) / steps,
+                    "threads": {name: seconds / steps for name, seconds in others.items() if seconds > 0}}  # fmt: skip
+
+
+def background_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads other than the main one (``/proc/self/task``), by thread name."""
+    found: dict[str, float] = {}
+    main, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc/self/task"):
+        if int(entry.name) == main:
+            continue
+        try:
+            name = Path(entry.path, "comm").read_text().strip()
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return found
+
+
+def _overrides(setup: Setup, run_dir: str) -> list[str]:
     return [
-        f"train.batch_size={batch}", f"train.epochs={epochs}", f"task_options.train_size={TRAIN_SIZE}",
+        f"train.batch_size={setup.batch}", f"train.epochs={setup.epochs}", f"task_options.train_size={setup.size}",
         "train.sync_batchnorm=off", "train.progress_bar=false", "train.log_every=1000000",
         "metrics.tensorboard=false", "metrics.port=0", "checkpoint.every_steps=0", "checkpoint.resume=never",
-        f"run_dir={run_dir}",
+        f"run_dir={run_dir}", *setup.sets,
     ]  # fmt: skip
 
 
-def service(epochs: int, batch: int, task: str, clip: float | None) -> list[tuple[float, float]]:
+def interleave(epoch: int, bare: Bare, own: Callable[[], Epoch]) -> list[Epoch]:
+    """One pair: the bare epoch first on even epochs, the service's first on odd ones (ABBA against drift)."""
+    if epoch % 2 == 0:
+        first = bare.run_epoch()
+        return [first, own()]
+    first = own()
+    return [first, bare.run_epoch()]
+
+
+def service(setup: Setup) -> list[Epoch]:
     """The service's task loop, built exactly as ``ddp-service train`` builds it (a Runtime, the task's job)."""
+    import torch.distributed as dist
+
     from service.config import load_config
     from service.loop.runtime import Runtime
-    from service.loop.train import build_job
+    from service.loop.stepping import Hooks, steps
+    from service.loop.train import build_job, optimizer_step
     from service.state.preemption import Preemption
     from service.world.env import detect_world
 
-    extra = [f"train.grad_clip={'null' if clip is None else clip}",
-             *(["task=overhead:shapes_own_step"] if task == "step_fn" else [])]  # fmt: skip
+    extra = [f"train.grad_clip={'null' if setup.clip is None else setup.clip}",
+             *(["task=overhead:shapes_own_step"] if setup.task == "step_fn" else [])]  # fmt: skip
+    rows: list[Epoch] = []
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(None, [*_overrides(epochs, batch, run_dir), *extra])
+        config = load_config(None, [*_overrides(setup, run_dir), *extra])
         with Runtime.opened(config, detect_world(os.environ), Preemption()) as runtime:
-            return _time_task_epochs(build_job(runtime), epochs)
+            job = build_job(runtime)
+            hooks = Hooks(stepped=job.nonfinite.check, epoch_start=job.model.train)
+            bare = Bare(setup)
+
+            def own() -> Epoch:
+                dist.barrier()
+                with Clocks("service") as clocks:
+                    for fed in steps(runtime, job.feed, hooks, one_epoch=True):
+                        loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
+                        runtime.log({"loss": loss})
+                        clocks.steps += 1
+                return clocks.row
+
+            for epoch in range(setup.epochs):
+                rows += interleave(epoch, bare, own)
+            bare.close()
+    return rows
 
 
-def _time_task_epochs(job, epochs: int) -> list[tuple[float, float]]:  # noqa: ANN001 - a service.loop.train.TaskJob
-    """Seconds per step of each epoch's steps (the task loop's step, the shared boundary; no evaluation)."""
-    import torch.distributed as dist
-
-    from service.loop.stepping import Hooks, steps
-    from service.loop.train import optimizer_step
-
-    runtime, times = job.runtime, []
-    hooks = Hooks(stepped=job.nonfinite.check, epoch_start=job.model.train)
-    for _ in range(epochs):
-        dist.barrier()
-        start, cpu, count = time.perf_counter(), time.process_time(), 0
-        for fed in steps(runtime, job.feed, hooks, one_epoch=True):
-            runtime.log({"loss": optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)})
-            count += 1
-        times.append(((time.perf_counter() - start) / count, (time.process_time() - cpu) / count))
-    return times
-
-
-def session(epochs: int, batch: int, clip: float | None) -> list[tuple[float, float]]:
+def session(setup: Setup) -> list[Epoch]:
     """The seed's loop written on ``service.Session``: the same step as the bare loop, the service around it."""
     import torch
     import torch.distributed as dist
@@ -165,88 +242,120 @@ def session(epochs: int, batch: int, clip: float | None) -> list[tuple[float, fl
     import service
     from service.tasks.shapes import UNet, make_shapes
 
-    times = []
-    with tempfile.TemporaryDirectory() as run_dir, service.Session(overrides=_overrides(epochs, batch, run_dir)) as s:
+    rows: list[Epoch] = []
+    with tempfile.TemporaryDirectory() as tmp, service.Session(overrides=_overrides(setup, tmp)) as s:
         torch.manual_seed(0)
-        dataset = make_shapes(TRAIN_SIZE, 32, seed=0)
+        dataset = make_shapes(setup.size, 32, seed=0)
         model = s.model(UNet())
         criterion = torch.nn.CrossEntropyLoss()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         s.keep(model=model, optimizer=optimizer)
-        for _ in s.epochs():
+        bare = Bare(setup)
+        clip = setup.clip
+
+        def own() -> Epoch:
             dist.barrier()
-            start, cpu, count = time.perf_counter(), time.process_time(), 0
-            for images, masks in s.batches(dataset, batch):
-                optimizer.zero_grad()
-                loss = criterion(model(images), masks)
-                loss.backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                s.log(loss=loss.detach())
-                count += 1
-            times.append(((time.perf_counter() - start) / count, (time.process_time() - cpu) / count))
-    return times
+            with Clocks("session") as clocks:
+                for images, masks in s.batches(dataset, setup.batch):
+                    optimizer.zero_grad()
+                    loss = criterion(model(images), masks)
+                    loss.backward()
+                    if clip is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    optimizer.step()
+                    s.log(loss=loss.detach())
+                    clocks.steps += 1
+            return clocks.row
+
+        for epoch in s.epochs():
+            rows += interleave(epoch, bare, own)
+        bare.close()
+    return rows
 
 
-def run(mode: str, args: argparse.Namespace) -> list[list[float]]:
-    """(wall, CPU) seconds per step of rank 0's epochs, the first (warm-up) left out."""
+def run(mode: str, args: argparse.Namespace) -> list[Epoch]:
+    """Rank 0's timed epochs of one job (the first pair left out: it warms up allocators and threads)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
                __file__, "--worker", mode, "--epochs", str(args.epochs), "--batch", str(args.batch),
-               "--task", args.task, "--grad-clip", str(args.grad_clip), "--out", str(out)]  # fmt: skip
+               "--task", args.task, "--grad-clip", str(args.grad_clip), "--train-size", str(args.train_size),
+               "--out", str(out),
+               *(item for override in args.set for item in ("--set", override))]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"The {mode} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        return json.loads(out.read_text())[1:]  # the first epoch warms up allocators and threads
+        return json.loads(out.read_text())[2:]
 
 
 def clip_value(text: str) -> float | None:
     return None if text.lower() in ("none", "null") else float(text)
 
 
+def summarize(loop: str, rows: list[Epoch]) -> str:
+    """One line per service loop: its epochs and their bare partners, the pairs' ratios, the other threads' CPU;
+    then those threads by name."""
+    own = [r for r in rows if r["loop"] == loop]
+    bare = [r for r in rows if r["loop"] == "bare"]
+    wall = statistics.median(b["wall"] / o["wall"] for b, o in zip(bare, own, strict=True))
+    cpu = statistics.median(b["cpu"] / o["cpu"] for b, o in zip(bare, own, strict=True))
+
+    def ms(epochs: list[Epoch], key: str) -> float:
+        return statistics.median(e[key] for e in epochs) * 1e3
+
+    def by_thread(epochs: list[Epoch]) -> dict[str, float]:
+        names = {name for e in epochs for name in e["threads"]}
+        return {name: statistics.mean(e["threads"].get(name, 0.0) for e in epochs) * 1e3 for name in names}
+
+    mine, theirs = by_thread(own), by_thread(bare)
+    threads = ", ".join(f"{name} {mine.get(name, 0):.2f}/{theirs.get(name, 0):.2f}"
+                        for name in sorted({*mine, *theirs}, key=lambda n: -mine.get(n, 0)))  # fmt: skip
+    return (f"{loop:<9}{ms(bare, 'wall'):>9.2f}{ms(own, 'wall'):>9.2f}{ms(bare, 'cpu'):>10.2f}{ms(own, 'cpu'):>10.2f}"
+            f"{wall:>8.3f}{cpu:>8.3f}{ms(bare, 'background'):>9.2f}{ms(own, 'background'):>9.2f}{len(own):>7}\n"
+            f"         other threads, CPU ms per step ({loop} / bare): {threads}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of each loop in each job")
+    parser.add_argument("--train-size", type=int, default=2048, help="training samples (2048: 128 steps an epoch)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--world", type=int, default=2, help="processes (gloo ranks)")
     parser.add_argument("--task", choices=["builtin", "step_fn"], default="builtin")
+    parser.add_argument("--loops", default="service,session", help="the service's loops to run, each against bare")
     parser.add_argument("--grad-clip", type=clip_value, default=1.0, help="both loops; none: neither clips")
-    parser.add_argument("--worker", choices=["bare", "service", "session"])
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the service's loops (e.g. checkpoint.snapshot_every=0)",
+    )
+    parser.add_argument("--worker", choices=["service", "session"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.epochs, args.batch, args.out, args.task, args.grad_clip)
+        setup = Setup(args.epochs, args.batch, args.train_size, args.task, args.grad_clip, tuple(args.set))
+        worker(args.worker, setup, args.out)
         return
-    samples: dict[str, list[list[float]]] = {"bare": [], "service": [], "session": []}
-
-    def ms(mode: str, clock: int) -> float:
-        return statistics.median(epoch[clock] for epoch in samples[mode]) * 1e3
-
+    loops = [loop for loop in args.loops.split(",") if loop]
+    rows: dict[str, list[Epoch]] = {loop: [] for loop in loops}
     for round_ in range(args.rounds):
-        modes = ("bare", "service", "session")
-        order = modes[round_ % 3 :] + modes[: round_ % 3]  # each mode first in turn
-        for mode in order:
-            samples[mode] += run(mode, args)
-        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-            f"{m} {ms(m, 0):.2f} ms/step ({ms(m, 1):.2f} CPU)" for m in samples), flush=True)  # fmt: skip
-    print(f"\n{'loop':<10}{'wall ms/step':>14}{'CPU ms/step':>13}{'epochs timed':>14}")
-    for mode in samples:
-        print(f"{mode:<10}{ms(mode, 0):>14.2f}{ms(mode, 1):>13.2f}{len(samples[mode]):>14}")
+        for loop in loops[round_ % len(loops) :] + loops[: round_ % len(loops)]:
+            rows[loop] += run(loop, args)
+        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    print(f"\n{args.task} task, world {args.world}, grad_clip {args.grad_clip}, batch {args.batch}, "
+          f"{' '.join(args.set) or 'the defaults'}; per step, medians "
+          "over the epochs (bare: the paired bare epochs of the same jobs)")  # fmt: skip
+    print(f"{'loop':<9}{'bare ms':>9}{'loop ms':>9}{'bare CPU':>10}{'loop CPU':>10}{'ratio':>8}{'CPU r.':>8}"
+          f"{'bare bg':>9}{'loop bg':>9}{'epochs':>7}")  # fmt: skip
+    for loop in loops:
+        print(summarize(loop, rows[loop]))
     print(
-        f"\nthroughput ratio service/bare ({args.task} task, world {args.world}, grad_clip {args.grad_clip}): "
-        f"{ms('bare', 0) / ms('service', 0):.3f} wall, {ms('bare', 1) / ms('service', 1):.3f} CPU (target >= 0.99)"
-    )
-    print(
-        f"throughput ratio session/bare (the same step in a script's own loop): "
-        f"{ms('bare', 0) / ms('session', 0):.3f} wall, {ms('bare', 1) / ms('session', 1):.3f} CPU (target >= 0.99)"
-    )
-    print(
-        f"throughput ratio session/task loop: {ms('service', 0) / ms('session', 0):.3f} wall, "
-        f"{ms('service', 1) / ms('session', 1):.3f} CPU (target: within 1%)"
+        "ratio: the median over the pairs of bare / loop wall time per step (target >= 0.99); CPU r.: the same for "
+        "the main thread's CPU; bg: the other threads' CPU ms per step, in the service's epochs and in the bare ones"
     )
 
 

@@ -7,7 +7,12 @@ processes, so the pages of the imports are shared. With ``--per-process 1``
 own; above, ``--per-process K`` builds K handlers in each forked process, each
 with its own etcd client, run-lease keep-alive and node lease, so etcd sees N
 clients, N leases and N watchers while the machine runs N / K Python
-processes. Every handler is created through torch's registry
+processes. ``--connections own`` (the default) gives each client a TCP connection
+of its own, as each agent on its own machine has; ``--connections shared`` lets
+gRPC carry a process's clients over one connection (its default for channels to
+one address): every client keeps its own channel, lease, keep-alives and watch
+stream, so etcd still sees N leases and N watch streams, but N / K connections.
+Every handler is created through torch's registry
 (``get_rendezvous_handler``) with torch's defaults and this project's (the
 liveness settings below are this project's defaults), built before the round;
 when all are built, every handler calls ``next_rendezvous()`` at one common
@@ -37,6 +42,7 @@ other options are the defaults (read_timeout 1 s).
         [--per-process 1] [--processes-up-to 128] [--steady 60 --steady-nodes 64]
         [--recovery 16 --recovery-runs 3] [--db-growth 600 --db-nodes 64]
     python bench/rendezvous_scale.py --one native 1000 --per-process 63 --endpoint 127.0.0.1:2379  # JSON out
+    python bench/rendezvous_scale.py --impls native --nodes 256,512,1000 --per-process 63 --connections shared
 """
 
 from __future__ import annotations
@@ -139,11 +145,12 @@ def _handler(impl: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: i
 
 
 def _child(impl: str, endpoint: str, run_id: str, n: int, min_nodes: int, indices: list[int], limit: float,
-           conn: Any, begin: Any, t0: Any, release: Any) -> None:  # fmt: skip
+           conn: Any, begin: Any, t0: Any, release: Any, own: bool) -> None:  # fmt: skip
     """Build this process's handlers, then, at the common instant, call next_rendezvous in one thread each."""
     try:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        _own_connections(impl)
+        if own:
+            _own_connections(impl)
         counts = _counters(impl)
         traffic = count_watch_traffic() if impl != "c10d" else {}
         handlers = [_handler(impl, endpoint, run_id, min_nodes, n, i, limit) for i in indices]
@@ -193,7 +200,7 @@ def etcd_status(endpoint: str) -> dict[str, int]:
 
 
 def one_point(impl: str, n: int, endpoint: str, steady: float, recovery: bool, limit: float, per_process: int,
-              etcd_pid: int | None = None) -> dict[str, Any]:  # fmt: skip
+              etcd_pid: int | None = None, own: bool = True) -> dict[str, Any]:  # fmt: skip
     """Fork handlers for ``n`` nodes (min = max = n; min = n - 1 with ``recovery``) and measure one round."""
     if impl == "c10d":
         from torch.distributed.elastic.utils.distributed import get_free_port
@@ -207,13 +214,14 @@ def one_point(impl: str, n: int, endpoint: str, steady: float, recovery: bool, l
     t0 = ctx.Value("d", 0.0)
     groups = [list(range(i, min(n, i + per_process))) for i in range(0, n, per_process)]
     pipes, procs = [], []
-    result: dict[str, Any] = {"impl": impl, "nodes": n, "processes": len(groups), "before": conditions()}
+    result: dict[str, Any] = {"impl": impl, "nodes": n, "processes": len(groups), "before": conditions(),
+                              "connections": "own" if own or impl == "c10d" else "shared"}  # fmt: skip
     with MemoryGuard(MEMORY_FLOOR, etcd_pid) as memory:
         try:
             for group in groups:
                 parent_end, child_end = ctx.Pipe()
                 low = n - 1 if recovery else n
-                args = (impl, endpoint, run_id, n, low, group, limit, child_end, begin, t0, release)
+                args = (impl, endpoint, run_id, n, low, group, limit, child_end, begin, t0, release, own)
                 proc = ctx.Process(target=_child, args=args, daemon=True)
                 proc.start()
                 pipes.append(parent_end)
@@ -306,10 +314,10 @@ def _receive(conn: Any, timeout: float, memory: MemoryGuard | None = None) -> di
 
 # -- the driver -------------------------------------------------------------------------------
 def run_point(impl: str, n: int, etcd: Any, steady: float = 0, recovery: bool = False, limit: float = 120,
-              per_process: int = 1) -> dict[str, Any]:  # fmt: skip
+              per_process: int = 1, connections: str = "own") -> dict[str, Any]:  # fmt: skip
     """Run one point in a fresh interpreter (imports first, then the fork); give up after ``limit`` s of rendezvous."""
     command = [sys.executable, __file__, "--one", impl, str(n), "--endpoint", etcd.endpoint, "--steady", str(steady),
-               "--limit", str(limit), "--per-process", str(per_process)]  # fmt: skip
+               "--limit", str(limit), "--per-process", str(per_process), "--connections", connections]  # fmt: skip
     if etcd.proc is not None:
         command += ["--etcd-pid", str(etcd.proc.pid)]
     if recovery:
@@ -335,12 +343,14 @@ def run_point(impl: str, n: int, etcd: Any, steady: float = 0, recovery: bool = 
     return json.loads(lines[-1])
 
 
-def fresh_point(impl: str, n: int, steady: float, limit: float, per_process: int = 1) -> dict[str, Any]:
+def fresh_point(impl: str, n: int, steady: float, limit: float, per_process: int = 1,
+                connections: str = "own") -> dict[str, Any]:  # fmt: skip
     """One point (with a steady-state window) on an etcd started for it alone."""
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         etcd = start_etcd(Path(tmp))
         try:
-            return with_etcd_log(run_point(impl, n, etcd, steady=steady, limit=limit, per_process=per_process), etcd)
+            return with_etcd_log(run_point(impl, n, etcd, steady=steady, limit=limit, per_process=per_process,
+                                            connections=connections), etcd)  # fmt: skip
         finally:
             etcd.kill()
 
@@ -379,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         help="handlers per forked process (0: 1 up to --processes-up-to nodes, then N / 16)",
     )
     parser.add_argument("--processes-up-to", type=int, default=128)
+    parser.add_argument(
+        "--connections",
+        choices=["own", "shared"],
+        default="own",
+        help="each handler's client on a TCP connection of its own, or a process's clients sharing one",
+    )
     parser.add_argument("--fresh", action="store_true", help="every point on an etcd started for it alone")
     parser.add_argument("--steady", type=float, default=0)
     parser.add_argument("--steady-nodes", type=int, default=64)
@@ -401,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
         impl, n = args.one[0], int(args.one[1])
         point = one_point(impl, n, args.endpoint, args.steady, args.recovery_point, args.limit,
-                          max(1, args.per_process), args.etcd_pid)  # fmt: skip
+                          max(1, args.per_process), args.etcd_pid, args.connections == "own")  # fmt: skip
         print(json.dumps(point), flush=True)
         return 0
     impls = [i for i in args.impls.split(",") if i]
@@ -422,9 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         steady = args.steady if n == args.steady_nodes and run == 0 and impl != "c10d" else 0
                         if steady or args.fresh:  # on an etcd of its own: earlier points' keys expiring are revisions
-                            row = fresh_point(impl, n, steady, args.limit, per_process(n))
+                            row = fresh_point(impl, n, steady, args.limit, per_process(n), args.connections)
                         else:
-                            row = run_point(impl, n, etcd, limit=args.limit, per_process=per_process(n))
+                            row = run_point(impl, n, etcd, limit=args.limit, per_process=per_process(n),
+                                            connections=args.connections)  # fmt: skip
                             row = with_etcd_log(row, etcd)
                         rows.append(row)
                         print(json.dumps(row), flush=True)

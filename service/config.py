@@ -110,7 +110,7 @@ def _snapshot_every(value: Any) -> int | str:
     if value == "auto":
         return "auto"
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError("must be auto (an interval that keeps the snapshots' cost at 1% of the step time or less, "
+        raise ValueError("must be auto (an interval that keeps the snapshots' cost at 0.5% of the step time or less, "
                          "every step where that holds) or a whole number of steps, 0 for none, e.g. 1")  # fmt: skip
     return value
 
@@ -242,7 +242,7 @@ class CheckpointConfig(_Section):
     snapshot_every: SnapshotEvery = Field(
         "auto",
         description="Keep the state of every N-th optimizer step in node-local shared memory; 0: off; auto: the N "
-        "that keeps their cost at 1% of the step time or less, measured at the start (every step for small models).",
+        "that keeps their cost at 0.5% of the step time or less, measured at the start (every step for small models).",
     )
     snapshot_dir: str = Field(
         "/dev/shm", min_length=1, description="The shared-memory file system that holds the snapshots (a tmpfs)."

@@ -16,6 +16,13 @@ from service import early
 
 early.hold(defaults=True)  # the fork server ignores the stop signals; a worker keeps them as a new one would
 from service.entry import main, run_script  # noqa: E402 (after the signals are held)
+from service.ops import fork_server  # noqa: E402 (imported in the fork server already: its state as at the fork)
+from service.world.env import STARTED_FOR  # noqa: E402
+
+# The first start's workers count their start-up from the fork server's start: its imports were made for them, as
+# a worker started as a program makes them after its own start (the goodput ledger's start-up, summary.json's).
+if fork_server.STARTED is not None and fork_server.FORKS < int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1):
+    os.environ[STARTED_FOR] = f"{fork_server.STARTED:.3f}"
 
 # multiprocessing's default start method is the agent's ("forkserver", handed down with the fork); a worker's own
 # processes (a DataLoader's workers) start as a new interpreter's would, by this platform's default: a local

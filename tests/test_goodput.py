@@ -502,3 +502,22 @@ def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(
     positive = next(index for index, value in enumerate(values) if value > 0)
     assert min(values[positive:]) > 0, values
     assert any(b - a > 2 for a, b in zip(scraped, scraped[1:], strict=False)), "no gap between starts was scraped"
+
+
+def test_a_first_start_under_launch_counts_its_start_up_from_the_fork_servers_start():
+    """``launch``'s fork server makes the imports for the first start's workers: service/worker.py puts its start
+    in DDP_SERVICE_STARTED_FOR, and the start-up counts from there, never from later than the process's own start;
+    anything else in the variable is ignored."""
+    from service.world.env import STARTED_FOR, detect_world
+
+    own = StartTimes.of(None, None, 0.0, 0).process_start
+    assert abs(own - time.time()) < 3600  # this test process's start, from /proc
+    assert StartTimes.of(None, None, 0.0, 0, since=own - 4.0).process_start == own - 4.0
+    later = StartTimes.of(None, None, 0.0, 0, since=own + 4.0).process_start
+    assert abs(later - own) < 0.05  # never later than its own (read from /proc again: within a tick)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}  # fmt: skip
+    assert detect_world({**env, STARTED_FOR: "1764669600.125"}).started_for == 1764669600.125
+    for junk in ("", "soon", "-3", "0", "inf", "nan"):
+        assert detect_world({**env, STARTED_FOR: junk}).started_for is None, junk
+    assert detect_world(env).started_for is None

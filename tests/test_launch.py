@@ -318,6 +318,8 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
                 os.kill(pid, sig)
         time.sleep(1)
         assert all(alive(pid) for pid in (*helpers, *workers)), watcher.text()[-3000:]
+        starts = {pid: started(pid) for pid in (server, holder["pid"])}
+        killed = time.time()
         os.kill(workers[0], signal.SIGKILL)
         watcher.wait_for(r"process group up: attempt 1", timeout=60)
         again, restarted = fork_server_workers(proc.pid)
@@ -327,6 +329,15 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         kill_group(proc)
     summary = read_summary(tmp_path / "run")
     assert summary["resumed_from"]["source"] == "snapshot" and summary["model_digest"] == straight["model_digest"]
+    # The goodput ledger counts the first start's start-up from the fork server's start, since its imports were
+    # made for those workers (a worker started as a program pays them after its own start); a warm restart's
+    # from its own fork, after the kill.
+    ledger = [json.loads(line) for line in (tmp_path / "run" / "goodput.jsonl").read_text().splitlines()]
+    first = {record["process_start"] for record in ledger if record["pid"] == holder["pid"]}
+    later = {record["process_start"] for record in ledger if record["pid"] != holder["pid"]}
+    assert len(first) == 1 and abs(first.pop() - starts[server]) < 0.05, (ledger, starts)
+    assert starts[holder["pid"]] - starts[server] > 0.5, starts  # the imports, in the fork server before the fork
+    assert later and min(later) >= killed - 0.05, (ledger, killed)
 
     proc, watcher = start("--nproc-per-node=2", *[item for o in (*job, f"run_dir={tmp_path / 'orphans'}")
                                                    for item in ("--set", o)])  # fmt: skip
@@ -344,6 +355,13 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         for pid in (server, *workers):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def started(pid: int) -> float:
+    """When ``pid`` started (Unix seconds), from /proc as the goodput ledger reads its own."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cmdline(pid: int) -> bytes:

@@ -79,9 +79,10 @@ class MapFeed:
     def steps(self, epoch: int, cursor: int) -> Iterator[Fed]:
         """This rank's steps from ``cursor`` to the end of ``epoch``; the loader reads ahead freely."""
         self.sampler.position(epoch, cursor)
-        batches = iter(self.loader)
-        for plan in self.plan.steps(epoch, cursor):
-            yield Fed(plan, [next(batches) for _ in plan.micro])
+        batches, plans, micro_steps = iter(self.loader), self.sampler.plans, self.plan.micro_steps
+        for _ in range(self.plan.steps_in_epoch(cursor)):
+            fetched = [next(batches) for _ in range(micro_steps)]
+            yield Fed(plans.popleft(), fetched)  # the plan of these batches: the sampler handed them out
 
     def state_dict(self) -> None:
         return None  # the cursor in the loop's state is the whole position

@@ -83,7 +83,7 @@ class Runtime:
         self.label = label or config.task
         self.device = dist_ctx.device
         self.control = dist_ctx.control
-        times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0)
+        times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0, world.started_for)
         self.startup = StartupMarks(times.process_start)  # summary.json's startup: each phase's end
         for name, at in (("entry", early.started()), ("imports", imported), ("group_began", dist_ctx.began),
                          ("group_up", dist_ctx.up)):  # fmt: skip
@@ -114,7 +114,7 @@ class Runtime:
         self.roles = build_roles(config, world, None, self.digest, dist_ctx.is_cuda, self.resumed, self.lineage,
                                  dist_ctx.backend, terminal, self.area,
                                  StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds,
-                                               self.state.global_step))  # fmt: skip
+                                               self.state.global_step, world.started_for))  # fmt: skip
         self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
                          str(self.resumed.file) if self.resumed else "")  # fmt: skip
         self.snapshot_schedule = SnapshotSchedule(

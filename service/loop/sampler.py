@@ -12,6 +12,7 @@ No ``torch.distributed`` here: a plan is a pure function of its inputs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -124,6 +125,9 @@ class DataPlan:
         chunk = order[start : start + self.global_batch].tolist()
         size = len(chunk)
         share = chunk[self.rank :: self.world_size]
+        if self.micro_steps == 1 and share:  # a session's step, and most tasks': one micro-batch
+            batch = MicroBatch(tuple(share), len(share) * self.world_size / size, len(share))
+            return StepPlan(epoch=epoch, start=start, size=size, micro=(batch,))
         micro = []
         for part in _split(share, self.micro_steps):
             if part:
@@ -146,19 +150,25 @@ class PlanSampler(Sampler[list[int]]):
 
     Call :meth:`position` before each pass; the loader reads ahead freely,
     because the position that counts is the one the loop records at each
-    optimizer step, not what the loader has fetched.
+    optimizer step, not what the loader has fetched. Each step's plan goes to
+    :attr:`plans` as its first micro-batch's indices are handed out, so the
+    loop takes the plan of the batches it has fetched from there, in order,
+    instead of planning every step twice.
     """
 
     def __init__(self, plan: DataPlan) -> None:
         self.plan = plan
         self.epoch = 0
         self.cursor = 0
+        self.plans: collections.deque[StepPlan] = collections.deque()
 
     def position(self, epoch: int, cursor: int) -> None:
         self.epoch, self.cursor = epoch, cursor
+        self.plans.clear()
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in self.plan.steps(self.epoch, self.cursor):
+            self.plans.append(step)
             for batch in step.micro:
                 yield list(batch.indices)
 

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8})\.(pt|json)$")
 _MAX_MANIFEST_BYTES = 64 * 1024
+_WRITE_BUFFER = 1 << 20  # bytes gathered before a write reaches the file (and its hash)
 REQUIRED_KEYS = ("format", "loop", "rng", "config")  # and each kept object it names (``kept``)
 TASK_KEPT_KEYS = ("model", "optimizer", "scheduler")  # what a checkpoint written before ``kept`` always held
 TASK_KEPT = (*TASK_KEPT_KEYS, "scaler")  # a task job's kept objects (a missing ``scaler`` entry reads as None)
@@ -157,12 +158,18 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
 
         def save(file: BinaryIO) -> HashingWriter:
             writer = HashingWriter(file, checksum)
+            # torch's zip writer makes a write per record header, name and alignment pad (about 350 for a model
+            # of 60 tensors): the buffer gathers the small ones, and a tensor's bytes pass through it whole.
+            buffered = io.BufferedWriter(writer, buffer_size=_WRITE_BUFFER)
             try:
-                serialize(state, cast(BinaryIO, writer))
+                serialize(state, cast(BinaryIO, buffered))
+                buffered.flush()
             except RuntimeError:
                 if writer.error is not None:  # the disk, not the state: report the OSError
                     raise writer.error from None
                 raise
+            finally:
+                buffered.detach()  # the file stays open for the fsync; closing it is _write_synced's
             return writer
 
         writer = _write_synced(tmp_state, save)

@@ -142,11 +142,15 @@ class StartTimes:
     resumed_step: int | None = None
 
     @classmethod
-    def of(cls, group_began: float | None, group_up: float | None, restore_seconds: float,
-           resumed_step: int) -> StartTimes:  # fmt: skip
+    def of(cls, group_began: float | None, group_up: float | None, restore_seconds: float, resumed_step: int,
+           since: float | None = None) -> StartTimes:  # fmt: skip
         """This start's times; without /proc, the process start falls back to when its process group set-up
-        began (so start-up then counts from there; earlier time falls into the gap before, i.e. recovery)."""
+        began (so start-up then counts from there; earlier time falls into the gap before, i.e. recovery).
+        ``since``: an earlier start of the work done for this process (a first start under ``launch``: its fork
+        server's start, whose imports a worker started as a program pays itself)."""
         began = process_start_time() or group_began or time.time()
+        if since is not None and since < began:
+            began = since
         return cls(began, group_began, group_up, restore_seconds, resumed_step)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -53,6 +54,9 @@ class WorldInfo:
     # The process that restarts this one: torchrun's agent, or slurmstepd, is its parent, unless the parent is a
     # fork server the agent runs (``ddp-service launch``), which names the agent in DDP_SERVICE_AGENT_PID.
     agent_pid: int | None = None
+    # A first start under ``ddp-service launch``: the Unix time its fork server started. Its imports were made for
+    # this start, so the start-up counts from there (a worker started as a program pays them after its own start).
+    started_for: float | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -325,13 +329,25 @@ LAUNCHERS: tuple[Launcher, ...] = (
 
 
 AGENT_PID = "DDP_SERVICE_AGENT_PID"
+STARTED_FOR = "DDP_SERVICE_STARTED_FOR"  # set by service/worker.py in the first workers a fork server forks
 
 
 def detect_world(env: Mapping[str, str]) -> WorldInfo:
     """Read the first launcher whose variables are present (NoLauncher takes any mapping)."""
     launcher = next(item for item in LAUNCHERS if item.detects(env))
     agent = _int(env, AGENT_PID, default=0) or None
-    return dataclasses.replace(launcher.read(env), scheduler=detect_scheduler(env), agent_pid=agent)
+    return dataclasses.replace(launcher.read(env), scheduler=detect_scheduler(env), agent_pid=agent,
+                               started_for=_unix_time(env, STARTED_FOR))  # fmt: skip
+
+
+def _unix_time(env: Mapping[str, str], name: str) -> float | None:
+    """A Unix time the service itself put in the environment; anything else there is ignored (it only moves the
+    start-up's first second in the goodput ledger)."""
+    try:
+        value = float(env.get(name, ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def detect_scheduler(env: Mapping[str, str]) -> str | None:
