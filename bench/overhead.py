@@ -120,21 +120,14 @@ class Bare:
         self.epoch = 0
 
     def run_epoch(self) -> Epoch:
-        import torch
         import torch.distributed as dist
 
-        model, optimizer, criterion, clip = self.model, self.optimizer, self.criterion, self.clip
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         dist.barrier()
         with Clocks("bare") as clocks:
             for images, masks in self.loader:
-                optimizer.zero_grad()
-                loss = criterion(model(images), masks)
-                loss.backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
+                bare_step(self.model, self.optimizer, self.criterion, images, masks, self.clip)
                 clocks.steps += 1
         return clocks.row
 
@@ -142,6 +135,19 @@ class Bare:
         """Free DDP before the process group goes (gloo can hang or abort at exit otherwise)."""
         del self.model, self.optimizer
         gc.collect()
+
+
+def bare_step(model, optimizer, criterion, images, masks, clip):  # noqa: ANN001, ANN201 - torch objects
+    """The seed's step, the same in the bare loop and the session's: zero, forward, backward, clip, update."""
+    import torch
+
+    optimizer.zero_grad()
+    loss = criterion(model(images), masks)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss
 
 
 class Clocks:
@@ -251,18 +257,12 @@ def session(setup: Setup) -> list[Epoch]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         s.keep(model=model, optimizer=optimizer)
         bare = Bare(setup)
-        clip = setup.clip
 
         def own() -> Epoch:
             dist.barrier()
             with Clocks("session") as clocks:
                 for images, masks in s.batches(dataset, setup.batch):
-                    optimizer.zero_grad()
-                    loss = criterion(model(images), masks)
-                    loss.backward()
-                    if clip is not None:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                    optimizer.step()
+                    loss = bare_step(model, optimizer, criterion, images, masks, setup.clip)
                     s.log(loss=loss.detach())
                     clocks.steps += 1
             return clocks.row
