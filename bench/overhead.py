@@ -79,8 +79,6 @@ class Setup:
 
 def shapes_own_step(spec):  # noqa: ANN001, ANN201 - a task function: TaskSpec -> Task
     """The built-in shapes task with its loss given as a ``step_fn``, as a ported training script would."""
-    import dataclasses
-
     from service.tasks.shapes import build
 
     task = build(spec)
@@ -197,11 +195,8 @@ def _overrides(setup: Setup, run_dir: str) -> list[str]:
 
 def interleave(epoch: int, bare: Bare, own: Callable[[], Epoch]) -> list[Epoch]:
     """One pair: the bare epoch first on even epochs, the service's first on odd ones (ABBA against drift)."""
-    if epoch % 2 == 0:
-        first = bare.run_epoch()
-        return [first, own()]
-    first = own()
-    return [first, bare.run_epoch()]
+    pair = [bare.run_epoch, own] if epoch % 2 == 0 else [own, bare.run_epoch]
+    return [run() for run in pair]
 
 
 def service(setup: Setup) -> list[Epoch]:

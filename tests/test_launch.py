@@ -25,6 +25,7 @@ from test_resume_e2e import finish as finish_watched
 
 from service.ops.launcher import LaunchError, Outcome, exit_code, parse_request
 from service.state.preemption import EXIT_PREEMPTED
+from service.telemetry.goodput import process_start_time
 
 SHAPES = str(REPO / "examples" / "shapes.yaml")
 
@@ -318,7 +319,7 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
                 os.kill(pid, sig)
         time.sleep(1)
         assert all(alive(pid) for pid in (*helpers, *workers)), watcher.text()[-3000:]
-        starts = {pid: started(pid) for pid in (server, holder["pid"])}
+        starts = {pid: process_start_time(pid) for pid in (server, holder["pid"])}  # as the ledger reads its own
         killed = time.time()
         os.kill(workers[0], signal.SIGKILL)
         watcher.wait_for(r"process group up: attempt 1", timeout=60)
@@ -355,13 +356,6 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         for pid in (server, *workers):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def started(pid: int) -> float:
-    """When ``pid`` started (Unix seconds), from /proc as the goodput ledger reads its own."""
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cmdline(pid: int) -> bytes:

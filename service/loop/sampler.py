@@ -125,9 +125,6 @@ class DataPlan:
         chunk = order[start : start + self.global_batch].tolist()
         size = len(chunk)
         share = chunk[self.rank :: self.world_size]
-        if self.micro_steps == 1 and share:  # a session's step, and most tasks': one micro-batch
-            batch = MicroBatch(tuple(share), len(share) * self.world_size / size, len(share))
-            return StepPlan(epoch=epoch, start=start, size=size, micro=(batch,))
         micro = []
         for part in _split(share, self.micro_steps):
             if part:

@@ -119,11 +119,11 @@ def fold(records: Iterable[Record]) -> Breakdown:
     return Breakdown(wall, total, badput, len(starts))
 
 
-def process_start_time() -> float | None:
-    """This process's start (Unix seconds) from /proc: its starttime after boot, against /proc/uptime, both
-    on the boot clock (10 ms ticks); None where there is no /proc (the caller falls back)."""
+def process_start_time(pid: int | str = "self") -> float | None:
+    """This process's (or ``pid``'s) start (Unix seconds) from /proc: its starttime after boot, against
+    /proc/uptime, both on the boot clock (10 ms ticks); None where there is no /proc (the caller falls back)."""
     try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         ticks = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
