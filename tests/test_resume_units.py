@@ -174,6 +174,25 @@ def test_plan_sampler_yields_the_plan_from_the_position(length, global_batch, wo
     assert [batch[0].tolist() for batch in loader] == expected
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_feed_gives_each_step_the_plan_of_the_batches_it_fetched(workers):
+    """The sampler hands each step's plan to the feed as the loader reads its indices (ahead, with workers): every
+    step the feed yields holds the plan of exactly its own batches, epoch after epoch, from a cursor, and after a
+    pass left early (a loop's break) with plans read ahead."""
+    from service.config import DataConfig
+    from service.loop.feeds import MapFeed
+
+    length, plan = 23, DataPlan(23, 3, 7, 3, 1, 2)
+    feed = MapFeed(TensorDataset(torch.arange(length)), plan, DataConfig(num_workers=workers), 0, None)
+    left = feed.steps(0, 0)
+    assert next(left).plan == next(plan.steps(0, 0))  # then left: the loader has read further ahead
+    for epoch, cursor in ((0, 0), (1, 7), (2, 0)):
+        fed = list(feed.steps(epoch, cursor))
+        assert [f.plan for f in fed] == list(plan.steps(epoch, cursor))
+        for step in fed:
+            assert [batch[0].tolist() for batch in step.batches] == [list(b.indices) for b in step.plan.micro]
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. Checkpoint files: damage falls back to the previous valid checkpoint, with a warning
 # --------------------------------------------------------------------------------------------------
