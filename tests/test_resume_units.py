@@ -827,23 +827,35 @@ def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     now = [0.0]
     calls: list[tuple[int, int]] = []
 
-    def agree(local: int, proposal: int) -> tuple[int, int]:
+    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
         calls.append((local, proposal))
-        return local, min(proposal, 7)  # another rank proposes 7 steps
+        return lambda: reads.append(len(calls)) or (local, min(proposal, 7))  # another rank proposes 7 steps
 
+    reads: list[int] = []  # which check each read was
     before = signal.getsignal(signal.SIGUSR1)
     watch = Preemption(agree, interval=0.1, clock=lambda: now[0])
     try:
         now[0] += 0.01  # a 10 ms step
         assert watch.stop_now() is None and calls == [(0, 10)]  # 10 steps cover 0.1 s; the ranks agree on 7
+        assert reads == [1]  # read at once: the agreed interval was one step
         for _ in range(6):
             now[0] += 0.01
             assert watch.stop_now() is None
         assert len(calls) == 1  # no collective between checks
+        now[0] += 0.01
+        assert watch.stop_now() is None and calls[-1] == (0, 10) and reads == [1]  # 7 steps on: started, not read
+        now[0] += 0.01
+        assert watch.stop_now() is None and reads == [1, 2]  # read one step later: it ran during that step
+        for _ in range(5):
+            now[0] += 0.01
+            assert watch.stop_now() is None
+        assert len(calls) == 2  # the next starts 7 steps after the last one started
         os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, handled between bytecodes
         assert watch.requested and watch.received == "SIGUSR1"
         now[0] += 0.5  # a slow step: 7 steps took 0.56 s since the last check, 80 ms each, so 2 steps now
-        assert watch.stop_now() == "preempted" and calls[-1] == (1, 2)
+        assert watch.stop_now() is None and calls[-1] == (1, 2)
+        now[0] += 0.08
+        assert watch.stop_now() == "preempted" and reads == [1, 2, 3]  # every rank stops one step later
     finally:
         watch.close()
     assert signal.getsignal(signal.SIGUSR1) is before
@@ -889,9 +901,9 @@ def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
 
     calls: list[tuple[int, int]] = []
 
-    def agree(local: int, proposal: int) -> tuple[int, int]:
+    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
         calls.append((local, proposal))
-        return local, 50
+        return lambda: (local, 50)
 
     now = [0.0]
     watch = Preemption(interval=0.1, clock=lambda: now[0])
@@ -904,6 +916,67 @@ def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
         assert watch.stop_now() is None and len(calls) == 1
         watch.received = "SIGTERM"  # as the handler sets it, e.g. during an evaluation
         assert watch.stop_here() == "preempted" and calls[-1][0] == 1  # at once, not 48 steps later
+    finally:
+        watch.close()
+
+
+def test_a_check_soon_after_another_times_the_steps_between_them_not_the_agreed_interval():
+    """An evaluation's check 3 steps after a check that agreed on 10 steps of 10 ms: it proposes 10 again. Timed
+    over the 10 agreed steps instead, the 3 steps looked 3 ms each and it proposed 34, so a short run's last 30 steps
+    had no check and a SIGTERM in them let the job complete instead of stopping (the TBPTT session test, now and
+    then: eval at each epoch's end, about 60 steps in all)."""
+    from service.state.preemption import Preemption
+
+    now, proposals = [0.0], []
+
+    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
+        proposals.append(proposal)
+        return lambda: (local, proposal)
+
+    watch = Preemption(agree, interval=0.1, clock=lambda: now[0], signals=())
+    try:
+        now[0] += 0.01
+        assert watch.stop_now() is None and proposals == [10]
+        for _ in range(3):
+            now[0] += 0.01
+            assert watch.stop_now() is None
+        assert watch.stop_here() is None and proposals == [10, 10]
+        now[0] += 0.3  # an evaluation right after it: timed as one step, so the next check comes at once
+        assert watch.stop_here() is None and proposals[-1] == 1
+    finally:
+        watch.close()
+
+
+def test_a_check_in_flight_is_read_before_stop_heres_own_and_by_settle():
+    """A check that short steps left in flight is read, in the order started, before an evaluation's agreement (which
+    waits at once) and at the run's end; its stop wins there, on every rank alike."""
+    from service.state.preemption import Preemption
+
+    log: list[str] = []
+
+    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
+        log.append(f"start {local}")
+        return lambda: log.append(f"read {local}") or (local, 5)
+
+    now = [0.0]
+    watch = Preemption(agree, interval=0.1, clock=lambda: now[0], signals=())
+    try:
+        assert watch.stop_here() is None and log == ["start 0", "read 0"]
+        for _ in range(5):
+            now[0] += 0.01
+            assert watch.stop_now() is None
+        assert log[-1] == "start 0"  # in flight
+        assert watch.stop_here() is None and log[-3:] == ["read 0", "start 0", "read 0"]
+        for _ in range(5):
+            assert watch.stop_now() is None
+        watch.received = "SIGTERM"  # came during the step the check runs in: the next check carries it
+        assert log[-1] == "start 0" and watch.stop_here() == "preempted" and log[-1] == "read 1"
+        for _ in range(5):
+            assert watch.stop_now() is None
+        watch.settle()
+        assert log[-2:] == ["start 1", "read 1"]
+        watch.settle()  # nothing in flight: nothing to read
+        assert log[-1] == "read 1"
     finally:
         watch.close()
 

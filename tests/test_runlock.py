@@ -333,11 +333,11 @@ def test_a_lost_lock_travels_through_the_step_agreement_and_outranks_a_preemptio
     seen: list[tuple[int, int]] = []
 
     def agree_as(rank: int):  # noqa: ANN202
-        def agree(code: int, proposal: int) -> tuple[int, int]:
+        def agree(code: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
             other = ranks[1 - rank]
             theirs = 2 if other.lock_lost is not None else 1 if other.requested else 0
             seen.append((rank, code))
-            return max(code, theirs), 1
+            return lambda: (max(code, theirs), 1)  # one step to the next check: read at once
 
         return agree
 

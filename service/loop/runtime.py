@@ -324,6 +324,7 @@ class Runtime:
         from service.loop.progress import CHECKPOINT
 
         self.progress.mark(CHECKPOINT)
+        self.preemption.settle()  # a check the last steps started: every rank reads it before the saves
         saving = time.perf_counter()
         if status != "lock_lost":
             self.gather_own()

@@ -7,7 +7,9 @@ The loop asks :meth:`Preemption.stop_now` after each optimizer step; one small
 all-reduce (MAX over the ranks' flags) makes a signal that reached one rank,
 or one node, stop them all at the same step. With steps of a few
 milliseconds the ranks check every few steps instead, about every 0.1 s (see
-:class:`Preemption`), so the check costs well under 1% of the step time.
+:class:`Preemption`), and such a check does not wait: its all-reduce runs
+during the next step and is read at that step's boundary, so the check costs
+the step nothing but issuing it.
 The loop also agrees once before the first step and after each evaluation
 (:meth:`Preemption.stop_here`), so a signal during start-up, an evaluation or
 a checkpoint stops the job at the step it stands at. Rank 0 then saves,
@@ -82,24 +84,32 @@ def held_back(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def alone(local: int, proposal: int) -> tuple[int, int]:
+Agreed = Callable[[], tuple[int, int]]  # waits for a started agreement: (the gravest code, the smallest proposal)
+
+
+def alone(local: int, proposal: int) -> Agreed:
     """The agreement of a process that is not in a process group yet: its own flag and proposal."""
-    return local, proposal
+    return lambda: (local, proposal)
 
 
 class Preemption:
     """The flag, its signal handlers, and the agreement at step boundaries.
 
-    ``agree(local, every)`` is a collective (one all-reduce of two integers)
-    that every rank calls at the same boundaries: it returns whether any rank's
-    flag is set, and the smallest of the ranks' proposals for how many steps to
-    go until the next check. Each rank proposes enough steps to cover
-    ``interval`` seconds at its current step time, so the check costs little
-    when steps are a few milliseconds, and happens at every boundary once a
-    step takes ``interval`` or longer. A stop therefore comes at most about
-    ``interval`` seconds of training after the signal, at the same step on
-    every rank. A rank's flag is a code into :data:`STOPS`, so the same
-    agreement also carries :meth:`lose_lock`'s stop to every rank.
+    ``agree(local, every)`` starts a collective (one all-reduce of two
+    integers) that every rank starts at the same boundaries, and returns the
+    call that waits for it: whether any rank's flag is set, and the smallest of
+    the ranks' proposals for how many steps to go until the next check. Each
+    rank proposes enough steps to cover ``interval`` seconds at its current
+    step time, so the check costs little when steps are a few milliseconds,
+    and happens at every boundary once a step takes ``interval`` or longer.
+    While the agreed interval is more than one step, a check is read one step
+    after it started (its all-reduce runs during that step, and nobody waits
+    for it); at one step or less, and in :meth:`stop_here`, it is read at once.
+    Both choices are made from agreed numbers, so every rank reads the same
+    check at the same boundary. A stop therefore comes at most about
+    ``interval`` seconds and one short step of training after the signal, at
+    the same step on every rank. A rank's flag is a code into :data:`STOPS`, so
+    the same agreement also carries :meth:`lose_lock`'s stop to every rank.
 
     The handlers go in when the object is made, before any process group: the
     agreement is :func:`alone` until :meth:`connect` makes it the collective.
@@ -113,7 +123,7 @@ class Preemption:
 
     def __init__(
         self,
-        agree: Callable[[int, int], tuple[int, int]] = alone,
+        agree: Callable[[int, int], Agreed] = alone,
         interval: float = 0.1,
         signals: tuple[signal.Signals, ...] = SIGNALS,
         clock: Callable[[], float] = time.monotonic,
@@ -125,6 +135,8 @@ class Preemption:
         self.received_at: float | None = None  # ``clock()`` when a signal came (the handler or the wakeup fd)
         self.lock_lost: str | None = None
         self._every = self._countdown = 1
+        self._steps = 0  # boundaries since the last check started: the step time is measured over them
+        self._pending: Agreed | None = None  # a check started at the last boundary, read at this one
         self._last_check = clock()
         self._numbers = {int(sig) for sig in signals}
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
@@ -144,7 +156,7 @@ class Preemption:
             log.warning("%s received: stopping at the next optimizer-step boundary, after a checkpoint",
                         self.received)  # fmt: skip
 
-    def connect(self, agree: Callable[[int, int], tuple[int, int]]) -> None:
+    def connect(self, agree: Callable[[int, int], Agreed]) -> None:
         """From now on the flag is agreed with every rank (the control group is up)."""
         self.agree = agree
 
@@ -158,22 +170,48 @@ class Preemption:
 
     def stop_here(self) -> str | None:
         """An agreement now, whatever the countdown: before the first step and after an evaluation."""
-        self._countdown = 1
-        return self.stop_now()
+        if stop := self._read_pending():
+            return stop
+        return self._check(wait=True)
 
     def stop_now(self) -> str | None:
         """Called after every optimizer step; on every rank, at the same step, why to stop (see :data:`STOPS`)."""
+        self._steps += 1
+        if stop := self._read_pending():
+            return stop
         self._countdown -= 1
         if self._countdown > 0:
             return None
+        return self._check(wait=self._every <= 1)  # short steps (agreed): read it at the next boundary
+
+    def _check(self, wait: bool) -> str | None:
         now = self.clock()
-        step_seconds = max((now - self._last_check) / self._every, 1e-6)
-        self._last_check = now
+        # Over the steps since the last check (none: start-up or an evaluation, timed as one step), not over the
+        # agreed interval: an evaluation's check a few steps after the last would otherwise see them as short steps.
+        step_seconds = max((now - self._last_check) / max(self._steps, 1), 1e-6)
+        self._last_check, self._steps = now, 0
         proposal = max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
         code = 2 if self.lock_lost is not None else 1 if self.requested else 0
-        stop, self._every = self.agree(code, proposal)
+        agreed = self.agree(code, proposal)
+        if not wait:
+            self._pending = agreed
+            return None
+        stop, self._every = agreed()
         self._countdown = self._every
         return STOPS[stop]
+
+    def _read_pending(self) -> str | None:
+        """The check started one boundary ago, read now: the next starts ``every`` boundaries after it did."""
+        if self._pending is None:
+            return None
+        agreed, self._pending = self._pending, None
+        stop, self._every = agreed()
+        self._countdown = self._every  # this boundary's own count follows
+        return STOPS[stop]
+
+    def settle(self) -> None:
+        """Wait for a check still in flight (the run's last steps): before the process group goes."""
+        self._read_pending()
 
     def signalled_at(self) -> float | None:
         """``clock()`` when the first of the signals reached this process; any thread may ask, at any time."""

@@ -186,13 +186,19 @@ def largest_across(group: Any) -> Callable[[int], int]:
     return lambda value: -smallest([-value])[0]
 
 
-def any_rank(group: Any) -> Callable[[int, int], tuple[int, int]]:
-    """The preemption check's collective: (the largest rank's code, the smallest rank's proposal), one all-reduce."""
+def any_rank(group: Any) -> Callable[[int, int], Callable[[], tuple[int, int]]]:
+    """The preemption check's collective: (the largest rank's code, the smallest rank's proposal), one all-reduce.
+    It starts without waiting; the call it returns waits for it and reads it."""
 
-    def agree(local: int, proposal: int) -> tuple[int, int]:
+    def agree(local: int, proposal: int) -> Callable[[], tuple[int, int]]:
         values = torch.tensor([int(local), -proposal], dtype=torch.int64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        return int(values[0].item()), int(-values[1].item())
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+        def agreed() -> tuple[int, int]:
+            work.wait()
+            return int(values[0]), int(-values[1])
+
+        return agreed
 
     return agree
 
