@@ -34,7 +34,11 @@ per step of the service's loop, from ``/proc/self/task`` on rank 0.
 
 Prints, per loop: the median wall and main-thread CPU time per step of the
 service's epochs and of their bare partners, the median of the pairs' ratios
-bare / service (target >= 0.99), and the background threads' CPU per step.
+bare / service (target >= 0.99), the main thread's CPU outside the step's
+body against the bare partner's (the loop's own work per step: the service's
+boundary and its data path, against the bare DataLoader; far steadier than the
+wall ratio, since the step's body is left out), and the background threads'
+CPU per step.
 
     python bench/overhead.py [--rounds 3] [--epochs 4] [--train-size 2048] [--batch 8] [--world 2] [--grad-clip 1.0]
                              [--task builtin|step_fn] [--loops service,session] [--set KEY=VALUE ...]
@@ -49,6 +53,7 @@ the same boundary as the task loop, the same step as the bare loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -58,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,8 +130,8 @@ class Bare:
         dist.barrier()
         with Clocks("bare") as clocks:
             for images, masks in self.loader:
-                bare_step(self.model, self.optimizer, self.criterion, images, masks, self.clip)
-                clocks.steps += 1
+                with clocks.body():
+                    bare_step(self.model, self.optimizer, self.criterion, images, masks, self.clip)
         return clocks.row
 
     def close(self) -> None:
@@ -149,10 +154,20 @@ def bare_step(model, optimizer, criterion, images, masks, clip):  # noqa: ANN001
 
 
 class Clocks:
-    """Wall and main-thread CPU seconds per step of one epoch, and the other threads' CPU seconds in it."""
+    """Wall and main-thread CPU seconds per step of one epoch, the part of that CPU outside the step's body (the
+    loop's own: fetching the batch, and the service's boundary), and the other threads' CPU seconds in it."""
 
     def __init__(self, loop: str) -> None:
-        self.loop, self.steps, self.row = loop, 0, {}
+        self.loop, self.steps, self.row, self.inside = loop, 0, {}, 0.0
+
+    @contextlib.contextmanager
+    def body(self) -> Iterator[None]:
+        """One step's body: the same code in a service loop and its bare partner, so what lies outside it is the
+        loop's own CPU, which the process's speed swings touch far less than the step's."""
+        began = time.thread_time()
+        yield
+        self.inside += time.thread_time() - began
+        self.steps += 1
 
     def __enter__(self) -> Clocks:
         self.others = background_cpu()
@@ -164,6 +179,7 @@ class Clocks:
         steps = max(self.steps, 1)
         others = {name: seconds - self.others.get(name, 0.0) for name, seconds in background_cpu().items()}
         self.row = {"loop": self.loop, "wall": wall / steps, "cpu": cpu / steps, "steps": self.steps,
+                    "outside": (cpu - self.inside) / steps,
                     "background": sum(others.values()) / steps,
                     "threads": {name: seconds / steps for name, seconds in others.items() if seconds > 0}}  # fmt: skip
 
@@ -224,9 +240,9 @@ def service(setup: Setup) -> list[Epoch]:
                 dist.barrier()
                 with Clocks("service") as clocks:
                     for fed in steps(runtime, job.feed, hooks, one_epoch=True):
-                        loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
+                        with clocks.body():
+                            loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
                         runtime.log({"loss": loss})
-                        clocks.steps += 1
                 return clocks.row
 
             for epoch in range(setup.epochs):
@@ -257,9 +273,9 @@ def session(setup: Setup) -> list[Epoch]:
             dist.barrier()
             with Clocks("session") as clocks:
                 for images, masks in s.batches(dataset, setup.batch):
-                    loss = bare_step(model, optimizer, criterion, images, masks, setup.clip)
+                    with clocks.body():
+                        loss = bare_step(model, optimizer, criterion, images, masks, setup.clip)
                     s.log(loss=loss.detach())
-                    clocks.steps += 1
             return clocks.row
 
         for epoch in s.epochs():
@@ -303,11 +319,17 @@ def summarize(loop: str, rows: list[Epoch]) -> str:
         names = {name for e in epochs for name in e["threads"]}
         return {name: statistics.mean(e["threads"].get(name, 0.0) for e in epochs) * 1e3 for name in names}
 
+    # The main thread's CPU outside the step's body, each service epoch against its bare partner: what the loop
+    # itself adds per step, as a share of the service epoch's main-thread CPU per step.
+    extra = statistics.median(o["outside"] - b["outside"] for b, o in zip(bare, own, strict=True))
+    share = statistics.median((o["outside"] - b["outside"]) / o["cpu"] for b, o in zip(bare, own, strict=True))
     mine, theirs = by_thread(own), by_thread(bare)
     threads = ", ".join(f"{name} {mine.get(name, 0):.2f}/{theirs.get(name, 0):.2f}"
                         for name in sorted({*mine, *theirs}, key=lambda n: -mine.get(n, 0)))  # fmt: skip
     return (f"{loop:<9}{ms(bare, 'wall'):>9.2f}{ms(own, 'wall'):>9.2f}{ms(bare, 'cpu'):>10.2f}{ms(own, 'cpu'):>10.2f}"
             f"{wall:>8.3f}{cpu:>8.3f}{ms(bare, 'background'):>9.2f}{ms(own, 'background'):>9.2f}{len(own):>7}\n"
+            f"         main thread outside the step's body, CPU ms per step: {ms(own, 'outside'):.3f} against "
+            f"{ms(bare, 'outside'):.3f} bare; the loop's own {extra * 1e3:+.3f} ms, {share:.2%} of its step\n"
             f"         other threads, CPU ms per step ({loop} / bare): {threads}")  # fmt: skip
 
 
