@@ -134,8 +134,8 @@ class Preemption:
         self.received: str | None = None
         self.received_at: float | None = None  # ``clock()`` when a signal came (the handler or the wakeup fd)
         self.lock_lost: str | None = None
-        self._every = self._countdown = 1
-        self._steps = 0  # boundaries since the last check started: the step time is measured over them
+        self._every = 1  # the agreed number of boundaries from one check's start to the next
+        self._steps = 0  # boundaries since the last check started: the next is due at ``_every``
         self._pending: Agreed | None = None  # a check started at the last boundary, read at this one
         self._last_check = clock()
         self._numbers = {int(sig) for sig in signals}
@@ -169,18 +169,15 @@ class Preemption:
         self.lock_lost = why
 
     def stop_here(self) -> str | None:
-        """An agreement now, whatever the countdown: before the first step and after an evaluation."""
-        if stop := self._read_pending():
-            return stop
-        return self._check(wait=True)
+        """An agreement now, whatever the steps since the last: before the first step and after an evaluation."""
+        return self._read_pending() or self._check(wait=True)
 
     def stop_now(self) -> str | None:
         """Called after every optimizer step; on every rank, at the same step, why to stop (see :data:`STOPS`)."""
         self._steps += 1
         if stop := self._read_pending():
             return stop
-        self._countdown -= 1
-        if self._countdown > 0:
+        if self._steps < self._every:
             return None
         return self._check(wait=self._every <= 1)  # short steps (agreed): read it at the next boundary
 
@@ -192,21 +189,16 @@ class Preemption:
         self._last_check, self._steps = now, 0
         proposal = max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
         code = 2 if self.lock_lost is not None else 1 if self.requested else 0
-        agreed = self.agree(code, proposal)
-        if not wait:
-            self._pending = agreed
-            return None
-        stop, self._every = agreed()
-        self._countdown = self._every
-        return STOPS[stop]
+        self._pending = self.agree(code, proposal)
+        return self._read_pending() if wait else None
 
     def _read_pending(self) -> str | None:
-        """The check started one boundary ago, read now: the next starts ``every`` boundaries after it did."""
+        """The check in flight, read (it started at this boundary, or one ago); the next starts ``every`` boundaries
+        after it did."""
         if self._pending is None:
             return None
         agreed, self._pending = self._pending, None
         stop, self._every = agreed()
-        self._countdown = self._every  # this boundary's own count follows
         return STOPS[stop]
 
     def settle(self) -> None:
