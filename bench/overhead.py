@@ -34,11 +34,13 @@ per step of the service's loop, from ``/proc/self/task`` on rank 0.
 
 Prints, per loop: the median wall and main-thread CPU time per step of the
 service's epochs and of their bare partners, the median of the pairs' ratios
-bare / service (target >= 0.99), the main thread's CPU outside the step's
-body against the bare partner's (the loop's own work per step: the service's
-boundary and its data path, against the bare DataLoader; far steadier than the
-wall ratio, since the step's body is left out), and the background threads'
-CPU per step.
+bare / service (target >= 0.99) and their spread (quartiles, range, how many
+pairs reach 0.99: on a VM whose speed swings, the spread says whether a median
+below 0.99 is the loop or the machine), the main thread's CPU outside the
+step's body against the bare partner's (the loop's own work per step: the
+service's boundary and its data path, against the bare DataLoader; far steadier
+than the wall ratio, since the step's body is left out), and the background
+threads' CPU per step.
 
     python bench/overhead.py [--rounds 3] [--epochs 4] [--train-size 2048] [--batch 8] [--world 2] [--grad-clip 1.0]
                              [--task builtin|step_fn] [--loops service,session] [--set KEY=VALUE ...]
@@ -309,7 +311,9 @@ def summarize(loop: str, rows: list[Epoch]) -> str:
     then those threads by name."""
     own = [r for r in rows if r["loop"] == loop]
     bare = [r for r in rows if r["loop"] == "bare"]
-    wall = statistics.median(b["wall"] / o["wall"] for b, o in zip(bare, own, strict=True))
+    ratios = [b["wall"] / o["wall"] for b, o in zip(bare, own, strict=True)]
+    wall = statistics.median(ratios)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [wall, wall, wall]
     cpu = statistics.median(b["cpu"] / o["cpu"] for b, o in zip(bare, own, strict=True))
 
     def ms(epochs: list[Epoch], key: str) -> float:
@@ -328,6 +332,8 @@ def summarize(loop: str, rows: list[Epoch]) -> str:
                         for name in sorted({*mine, *theirs}, key=lambda n: -mine.get(n, 0)))  # fmt: skip
     return (f"{loop:<9}{ms(bare, 'wall'):>9.2f}{ms(own, 'wall'):>9.2f}{ms(bare, 'cpu'):>10.2f}{ms(own, 'cpu'):>10.2f}"
             f"{wall:>8.3f}{cpu:>8.3f}{ms(bare, 'background'):>9.2f}{ms(own, 'background'):>9.2f}{len(own):>7}\n"
+            f"         the pairs' wall ratios: quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, range "
+            f"{min(ratios):.3f}-{max(ratios):.3f}; {sum(r >= 0.99 for r in ratios)} of {len(ratios)} pairs >= 0.99\n"
             f"         main thread outside the step's body, CPU ms per step: {ms(own, 'outside'):.3f} against "
             f"{ms(bare, 'outside'):.3f} bare; the loop's own {extra * 1e3:+.3f} ms, {share:.2%} of its step\n"
             f"         other threads, CPU ms per step ({loop} / bare): {threads}")  # fmt: skip
