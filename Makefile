@@ -76,11 +76,12 @@ TEST_WORKERS ?= 2
 test: install-test
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
-## bench: the loop-overhead and rendezvous benchmarks (not tests; they print ratios).
+## bench: the loop-overhead, rendezvous and lease keep-alive benchmarks (not tests; they print ratios).
 bench: install-test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/overhead.py
 	$(PY) bench/rendezvous.py
+	$(PY) bench/keepalive.py
 	$(PY) bench/checkpoint.py
 
 ## gpu-check: one table (check, result, figure, seconds) of what one CUDA device says about this tree, in under

@@ -37,6 +37,7 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
+from service.rendezvous.keepalive import KeepAlive
 from service.rendezvous.options import ClientOptions
 from service.rendezvous.requests import RangeRead, WatchSpec
 from service.rendezvous.retry import TRANSIENT_DETAILS, RetryWindow, keep_trying
@@ -116,6 +117,7 @@ class EtcdClient:
         self._warned_at = 0.0
         self._need_auth = options.user is not None
         self._client = self._build()
+        self._keep_alive = KeepAlive(options.read_timeout)
 
     @property
     def endpoints(self) -> str:
@@ -132,7 +134,8 @@ class EtcdClient:
         self.window.end_start()
 
     def close(self) -> None:
-        """Close the gRPC channels."""
+        """Close the lease keep-alive stream and the gRPC channels."""
+        self._keep_alive.close()
         try:
             self._client.close()
         except Exception:  # closing is best effort
@@ -142,6 +145,10 @@ class EtcdClient:
         """(revision, key-values) of every key under ``prefix``, read at one revision."""
         response = self.call(lambda c: c.get_prefix_response(prefix), what)
         return int(response.header.revision), list(response.kvs)
+
+    def refresh_lease(self, lease_id: int, what: str) -> int:
+        """Refresh a lease once, on this client's keep-alive stream; its TTL after the refresh, 0 if etcd lacks it."""
+        return self.call(lambda c: self._keep_alive.refresh(c, lease_id), what)
 
     def delete_if_value(self, key: bytes, value: bytes, what: str) -> bool:
         """Delete ``key`` only while it still holds exactly ``value``; whether it was deleted."""

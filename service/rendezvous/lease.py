@@ -155,8 +155,7 @@ class RunLease:
 
     def _refresh_now(self, lease_id: int) -> int:
         """Refresh ``lease_id`` once; its TTL in seconds after the refresh, 0 if etcd does not have it."""
-        responses = self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the run lease")
-        return int(responses[0].TTL) if responses else 0
+        return self._client.refresh_lease(lease_id, "refreshing the run lease")
 
     def _revoke(self, lease_id: int) -> None:
         try:
@@ -247,7 +246,7 @@ class NodeLease:
             if lease_id is None:
                 return
             try:
-                responses = self._refresh(lease_id)
+                ttl = self._client.refresh_lease(lease_id, "refreshing the node lease")
             except EtcdUnavailableError as exc:  # etcd gone beyond the grace window: the rendezvous reports it
                 self.unavailable = exc
                 self._on_lost("")
@@ -257,13 +256,10 @@ class NodeLease:
                 log.warning("Refreshing the node lease failed; retrying.", exc_info=True)
                 continue
             self.unavailable = None
-            if not responses or responses[0].TTL <= 0:
+            if ttl <= 0:
                 self.lost = f"its node lease {lease_id:x} expired or was revoked in etcd"
                 self._on_lost(self.lost)
                 return
-
-    def _refresh(self, lease_id: int) -> list:
-        return self._client.call(lambda c: list(c.refresh_lease(lease_id)), "refreshing the node lease")
 
 
 class RunLostError(RendezvousStateError):
