@@ -19,6 +19,7 @@ login token the client uses then.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -121,12 +122,11 @@ class KeepAlive:
                 self._stream = _Stream(c)
             try:
                 return self._stream.refresh(lease_id, self._timeout)
-            except etcd_exc.ConnectionTimeoutError:
+            except BaseException as exc:
                 self._drop()
-                c.endpoint_in_use.fail()  # as a request's deadline does: the next try may go to another member
-                raise
-            except BaseException:
-                self._drop()
+                if isinstance(exc, etcd_exc.ConnectionTimeoutError):  # as a request's deadline does: the next
+                    with contextlib.suppress(Exception):  # try may go to another member (bookkeeping only)
+                        c.endpoint_in_use.fail()
                 raise
 
     def close(self) -> None:
