@@ -40,20 +40,20 @@ class _Overdue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[int, tuple[float, Any]] = {}  # id of the stream -> (deadline, its call)
+        self._waiting: dict[int, tuple[float, Any]] = {}  # id of a call -> (its deadline, the call)
         self._thread: threading.Thread | None = None
 
-    def watch(self, stream: object, deadline: float, call: Any) -> None:
+    def watch(self, call: Any, deadline: float) -> None:
         with self._lock:
-            self._waiting[id(stream)] = (deadline, call)
+            self._waiting[id(call)] = (deadline, call)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="etcd3-rdzv-keepalive-deadlines", daemon=True)
                 self._thread.start()
 
-    def done(self, stream: object) -> bool:
-        """Stop watching ``stream``; False if its call was already cancelled as overdue."""
+    def done(self, call: Any) -> bool:
+        """Stop watching ``call``; False if it was already cancelled as overdue."""
         with self._lock:
-            return self._waiting.pop(id(stream), None) is not None
+            return self._waiting.pop(id(call), None) is not None
 
     def _run(self) -> None:
         while True:
@@ -74,28 +74,28 @@ class _Stream:
 
     def __init__(self, c: Any) -> None:
         self.channel, self.metadata = c.channel, c.metadata
-        self.broken = False
         self._requests: queue.Queue[Any] = queue.Queue()
         stub = etcdrpc.LeaseStub(self.channel)
         self._call = stub.LeaseKeepAlive(iter(self._requests.get, None), metadata=self.metadata,
                                          credentials=c.call_credentials)  # fmt: skip
 
     def serves(self, c: Any) -> bool:
-        """Whether this stream still works, on the channel and token the client would use now."""
-        return not self.broken and c.channel is self.channel and c.metadata == self.metadata
+        """Whether this stream is still open (not ended by etcd, an error or a cancel), on the channel and token the
+        client would use now."""
+        return not self._call.done() and c.channel is self.channel and c.metadata == self.metadata
 
     def refresh(self, lease_id: int, timeout: float) -> int:
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
-        _OVERDUE.watch(self, time.monotonic() + timeout, self._call)
+        _OVERDUE.watch(self._call, time.monotonic() + timeout)
         try:
             answer = next(self._call)
         except (StopIteration, grpc.RpcError) as exc:
-            if not _OVERDUE.done(self):
+            if not _OVERDUE.done(self._call):
                 raise etcd_exc.ConnectionTimeoutError(f"no answer to a lease keep-alive in {timeout:g} s") from None
             if isinstance(exc, StopIteration):
                 raise etcd_exc.ConnectionFailedError("etcd ended the lease keep-alive stream") from None
             raise  # the client classifies it as it does any request's error
-        self.broken = not _OVERDUE.done(self)  # answered as it was cancelled: good, but the stream is not
+        _OVERDUE.done(self._call)  # answered, even if cancelled just now (the next refresh then opens a new stream)
         if answer.ID != lease_id:  # cannot happen with one request at a time; never misread another lease's TTL
             raise etcd_exc.ConnectionFailedError(f"a keep-alive for lease {lease_id:x} was answered for {answer.ID:x}")
         return int(answer.TTL)
