@@ -83,7 +83,7 @@ def etcd_v2_available() -> bool:
 def endpoint_for(backend: str, etcd_endpoint: str) -> tuple[str, list[dict]]:
     """The endpoint and the per-agent rdzv configuration of a backend."""
     if backend == "c10d":
-        port = free_port("127.0.0.2")
+        port = free_port()
         return f"127.0.0.2:{port}", [{"is_host": "1"}, {"is_host": "0"}]
     if backend == "etcd3-dynamic":
         return etcd_endpoint, [{"impl": "dynamic"}, {"impl": "dynamic"}]

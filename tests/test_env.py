@@ -8,6 +8,8 @@ import sys
 
 import pytest
 from conftest import REPO, child_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.world.env import EnvError, WorldInfo, detect_world, expand_hostlist
 
@@ -120,3 +122,11 @@ def test_env_command_reports_bad_value():
                           env=child_env(**{**SRUN, "SLURM_PROCID": "9"}), capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2
     assert "SLURM_PROCID=9" in proc.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(job_id=st.integers(min_value=0, max_value=2**32))
+def test_slurms_default_port_lies_below_the_ephemeral_range(job_id):
+    """Rank 0 listens on it after its imports: an ephemeral port could be an outgoing connection's by then."""
+    port = detect_world({**SRUN, "SLURM_JOB_ID": str(job_id)}).master_port
+    assert 15000 <= port < 32768

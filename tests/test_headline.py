@@ -60,7 +60,7 @@ def assert_headline(run_dir: Path, agents: list[Agent]) -> None:
 
 def test_two_nodes_of_four_processes_through_c10d(tmp_path):
     started = time.monotonic()
-    run_dir, agents = run_two_nodes(tmp_path, "c10d", f"127.0.0.2:{free_port('127.0.0.2')}", "headline-c10d")
+    run_dir, agents = run_two_nodes(tmp_path, "c10d", f"127.0.0.2:{free_port()}", "headline-c10d")
     assert_headline(run_dir, agents)
     print(f"c10d: 2 x 4 processes to completion in {time.monotonic() - started:.1f} s")
 

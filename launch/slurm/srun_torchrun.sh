@@ -11,7 +11,7 @@
 #   --rdzv-backend NAME     DDP_RDZV_BACKEND     backend for --rdzv-endpoint (default etcd3)
 #   --rdzv-conf K=V,...     DDP_RDZV_CONF        torchrun --rdzv-conf for that backend (TLS, key prefix, ...)
 #   --rdzv-host HOST        DDP_RDZV_HOST        c10d: the store's host (default: the first node's NodeAddr)
-#   --rdzv-port PORT        DDP_RDZV_PORT        c10d: the store's port (default 15000 + job id % 20000)
+#   --rdzv-port PORT        DDP_RDZV_PORT        c10d: the store's port (default 15000 + job id % 17000)
 #   --rdzv-id ID            DDP_RDZV_ID          default: the job id (array jobs: <array id>_<task id>);
 #                                                etcd3 adds .rN on the N-th requeue
 #   --nnodes N|MIN:MAX      DDP_NNODES           default SLURM_NNODES
@@ -112,7 +112,7 @@ else
         host=$(scontrol show node -o "$first" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
         host=${host:-$first}
     fi
-    port=${DDP_RDZV_PORT:-$((15000 + SLURM_JOB_ID % 20000))}
+    port=${DDP_RDZV_PORT:-$((15000 + SLURM_JOB_ID % 17000))}
     is_count "$port" && [ "$port" -lt 65536 ] || die "DDP_RDZV_PORT (--rdzv-port) is '$port'; use 1 to 65535."
     is_host=$([ "$SLURMD_NODENAME" = "$first" ] && echo 1 || echo 0)
     rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$host:$port" --rdzv-conf="is_host=$is_host${DDP_RDZV_CONF:+,$DDP_RDZV_CONF}")

