@@ -63,6 +63,6 @@ def listen_port(rng: random.Random | None = None, source: Path = EPHEMERAL_RANGE
         port = _nth(ranges, rng.randrange(ports))
         if can_listen(port):
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # every candidate taken: the kernel's choice
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    from torch.distributed.elastic.utils.distributed import get_free_port  # every candidate taken: torch's way
+
+    return int(get_free_port())
