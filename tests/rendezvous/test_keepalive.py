@@ -10,6 +10,7 @@ import re
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,20 @@ def streams_opened(member: EtcdMember) -> int:
         text = response.read().decode()
     started = re.search(r'^grpc_server_started_total\{grpc_method="LeaseKeepAlive"[^}]*\} (\d+)', text, re.M)
     return int(started.group(1)) if started else 0
+
+
+def freeze(pid: int, timeout: float = 5) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped: a running thread may answer once more."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in Path(f"/proc/{pid}/task").iterdir()
+        }
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"etcd (pid {pid}) did not stop within {timeout} s of SIGSTOP")
 
 
 def refresh_once_back(client: EtcdClient, lease: int, timeout: float = 15) -> None:
@@ -83,7 +98,7 @@ def test_a_restarted_etcd_gets_a_new_stream_and_a_frozen_one_fails_in_time_then_
     assert streams_opened(etcd_private) == 1
 
     assert etcd_private.proc is not None
-    os.kill(etcd_private.proc.pid, signal.SIGSTOP)
+    freeze(etcd_private.proc.pid)
     try:
         started = time.monotonic()
         with pytest.raises(EtcdError):
