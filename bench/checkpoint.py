@@ -34,7 +34,6 @@ import io
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from service.rendezvous.ports import listen_port  # noqa: E402
 from service.state.checkpoint import Rank0Checkpointer, StagingBuffer  # noqa: E402
 from service.state.checkpoint_io import FORMAT, load_state, scan  # noqa: E402
 from service.state.resume import _broadcast_bytes, rng_state  # noqa: E402
@@ -243,17 +243,11 @@ def resume_worker(rank: int, port: int, directory: Path, rounds: int, out: Path)
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def resume_transfer(directory: Path, rounds: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     out = directory.parent / "resume.txt"
-    context = mp.start_processes(resume_worker, args=(free_port(), directory, rounds, out), nprocs=2,
+    context = mp.start_processes(resume_worker, args=(listen_port(), directory, rounds, out), nprocs=2,
                                  join=False, start_method="spawn")  # fmt: skip
     deadline = time.monotonic() + RESUME_TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):

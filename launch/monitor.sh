@@ -21,21 +21,8 @@ LINGER="${LINGER:-0}"
 PROMETHEUS="$(command -v prometheus || true)"
 [ -n "$PROMETHEUS" ] || { echo "prometheus not found: make prometheus (apt-get install prometheus)" >&2; exit 2; }
 
-free_ports() {  # a base port with $1 free ports from it, on 127.0.0.1
-  "$PY" - "$1" <<'EOF'
-import socket, sys
-n = int(sys.argv[1])
-for _ in range(50):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); base = s.getsockname()[1]
-    try:
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p))
-    except OSError:
-        continue
-    print(base); break
-EOF
+free_ports() {  # a base port with $1 free ports from it, outside the kernel's ephemeral range
+  "$PY" -c 'import sys; from service.rendezvous.ports import listen_ports; print(listen_ports(int(sys.argv[1])))' "$1"
 }
 PROM_PORT="${PROM_PORT:-$(free_ports 1)}"
 BASE="$(free_ports "$NPROC")"

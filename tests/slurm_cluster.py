@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI, require_tool
 from procs import kill_tree
+from rendezvous.conftest import free_ports
 
 WHY = "`make test` installs the Debian packages slurm-wlm and munge (apt-get, as root)."
 CPUS_PER_NODE = 2  # two tasks per node: the bare-srun test runs 2 x 2 processes
@@ -32,24 +33,6 @@ SCHED_INTERVAL = 1
 NODES = ("n1", "n2")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}  # fmt: skip
-
-
-def free_ports(count: int) -> int:
-    """A port p such that p .. p+count-1 are free on 127.0.0.1 (and on all addresses) now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports on this machine")
 
 
 def slurm_conf(root: Path, host: str, ctld_port: int, node_port: int) -> str:

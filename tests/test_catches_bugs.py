@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
+from rendezvous.conftest import free_ports
 
 # -- a. evaluation: every sample once, all ranks summed ------------------------------------------
 
@@ -266,23 +266,6 @@ def test_every_flipped_byte_of_a_signed_state_is_refused() -> None:
 # -- f. Prometheus counts samples, scraped from a running job ----------------------------------------
 
 
-def _free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + 1 > 65535:
-            continue
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
-
-
 _SAMPLE = re.compile(r"^(ddp_train_(?:steps|samples)_total)\{[^}]*\} (\S+)$", re.M)
 
 
@@ -300,7 +283,7 @@ def test_prometheus_counts_samples_of_a_running_job(tmp_path: Path) -> None:
     """While a 2-rank job runs, each rank's ddp_train_samples_total == ddp_train_steps_total × batch × accum."""
     batch, accum, steps_per_epoch, epochs = 4, 2, 4, 3
     per_rank = batch * accum
-    base = _free_port_pair()
+    base = free_ports(2)
     cmd = torchrun_cmd(2, f"run_dir={tmp_path / 'run'}", "task=slow_tasks:slow_shapes", "task_options.sleep=0.06",
                        f"task_options.train_size={steps_per_epoch * per_rank * 2}", "task_options.eval_size=8",
                        f"train.batch_size={batch}", f"train.grad_accum={accum}", f"train.epochs={epochs}",

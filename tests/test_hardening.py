@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import QUICK, REPO, child_env, kill_group, read_summary, run_job
 from procs import worker_pids
+from rendezvous.conftest import free_ports
 from test_resume_e2e import SLOW, finish, start, watch
 
 from service.world.runlock import LOCK_NAME, RunDirLock, RunDirLockedError
@@ -289,23 +290,8 @@ def test_each_orphan_mechanism_alone_ends_the_child_when_its_parent_is_killed(ch
         kill_group(parent)
 
 
-def two_free_ports() -> int:
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port < 65535:
-                with socket.socket() as second:
-                    try:
-                        second.bind(("127.0.0.1", port + 1))
-                    except OSError:
-                        continue
-                    return port
-    raise AssertionError("no two consecutive free ports")
-
-
 def test_workers_of_a_sigkilled_agent_stop_free_their_ports_and_save_nothing_more(tmp_path):
-    run_dir, port = tmp_path / "run", two_free_ports()
+    run_dir, port = tmp_path / "run", free_ports(2)
     job = (*SLOW, "train.max_steps=400", "train.epochs=100", "checkpoint.every_steps=1", "task_options.sleep=0.05",
            f"metrics.port={port}")  # fmt: skip
     proc, watcher = start(run_dir, 2, *job)

@@ -9,7 +9,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from conftest import QUICK, REPO, child_env, kill_group, read_summary, run_job
 from hypothesis import given
 from hypothesis import strategies as st
 from procs import descendants, fork_server_workers, worker_pids
+from rendezvous.conftest import free_port
 from test_resume_e2e import LineWatcher, watch
 from test_resume_e2e import finish as finish_watched
 
@@ -152,12 +152,6 @@ def test_only_a_summary_written_by_this_start_counts(tmp_path):
 
 
 # --------------------------------------------------------------------------- real launches
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_cmd(*args: str) -> list[str]:

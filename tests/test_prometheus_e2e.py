@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -26,6 +25,7 @@ import pytest
 from conftest import REPO, read_summary, require_tool
 from procs import kill_tree, worker_pids
 from rendezvous.agents import Agent, train_args
+from rendezvous.conftest import free_port, free_ports
 
 MONITORING = REPO / "monitoring"
 WHY = "`make test` installs the Debian package prometheus (apt-get, as root)."
@@ -40,25 +40,6 @@ DASHBOARD_VARS = {"$__rate_interval": "30s", "$run_id": ".*", "$rank": ".*"}
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-
-
-def free_base_port(hosts: tuple[str, ...], count: int) -> int:
-    """A port p such that p .. p+count-1 are free on every host (rank = p + LOCAL_RANK on each node)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for host in hosts:
-                for port in range(base, base + count):
-                    with socket.socket() as sock:
-                        sock.bind((host, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports on {hosts}")
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
@@ -89,7 +70,7 @@ class Prometheus:
 
     def __post_init__(self) -> None:
         binary = require_tool("prometheus", WHY)
-        self.port = free_base_port(("127.0.0.1",), 1)
+        self.port = free_ports(1)
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = (MONITORING / "prometheus.local.yml").read_text()
         config = (config.replace("__SCRAPE_INTERVAL__", SCRAPE).replace("__RULES__", str(MONITORING / "rules.yml"))
@@ -217,11 +198,10 @@ class LiveJob:
 def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]:
     """Two c10d agents (127.0.0.2, 127.0.0.3) x 2 workers, rank 3 slow; Prometheus scrapes all four ranks."""
     require_tool("prometheus", WHY)
-    from rendezvous.conftest import free_port
 
     tmp = tmp_path_factory.mktemp("prom-e2e")
     hosts = ("127.0.0.2", "127.0.0.3")
-    base = free_base_port(hosts, 2)
+    base = free_ports(2)  # free on every address, so on each host
     targets = [f"{host}:{base + local}" for host in hosts for local in range(2)]
     prometheus = Prometheus(tmp / "prometheus", targets)
     run_id, run_dir, endpoint = f"prom-{uuid.uuid4().hex[:8]}", tmp / "run", f"127.0.0.1:{free_port()}"
@@ -356,9 +336,8 @@ def test_sum_of_rank_rates_matches_summary_throughput(straggler_job: LiveJob):
 
 @pytest.mark.e2e
 def test_restart_shows_as_restarts_metric_not_as_a_negative_rate(tmp_path: Path):
-    from rendezvous.conftest import free_port
 
-    base = free_base_port(("127.0.0.1",), 2)
+    base = free_ports(2)
     prom = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     run_id, run_dir = f"restart-{uuid.uuid4().hex[:8]}", tmp_path / "run"
     script = train_args(run_dir, 100000, "--set", "task=slow_tasks:slow_shapes", "--set", "task_options.sleep=0.05",

