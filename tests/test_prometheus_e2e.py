@@ -70,7 +70,7 @@ class Prometheus:
 
     def __post_init__(self) -> None:
         binary = require_tool("prometheus", WHY)
-        self.port = free_ports(1)
+        self.port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = (MONITORING / "prometheus.local.yml").read_text()
         config = (config.replace("__SCRAPE_INTERVAL__", SCRAPE).replace("__RULES__", str(MONITORING / "rules.yml"))
@@ -198,7 +198,6 @@ class LiveJob:
 def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]:
     """Two c10d agents (127.0.0.2, 127.0.0.3) x 2 workers, rank 3 slow; Prometheus scrapes all four ranks."""
     require_tool("prometheus", WHY)
-
     tmp = tmp_path_factory.mktemp("prom-e2e")
     hosts = ("127.0.0.2", "127.0.0.3")
     base = free_ports(2)  # free on every address, so on each host
@@ -336,7 +335,6 @@ def test_sum_of_rank_rates_matches_summary_throughput(straggler_job: LiveJob):
 
 @pytest.mark.e2e
 def test_restart_shows_as_restarts_metric_not_as_a_negative_rate(tmp_path: Path):
-
     base = free_ports(2)
     prom = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     run_id, run_dir = f"restart-{uuid.uuid4().hex[:8]}", tmp_path / "run"
