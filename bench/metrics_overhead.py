@@ -39,12 +39,11 @@ TRAIN_SIZE = 512
 
 
 def worker(epochs: int, batch: int, scrape_every: float, out: Path, ledger: bool = False) -> None:
-    """Runs under torchrun: two jobs in the same processes, metrics off and on, alternating epoch by epoch.
-
-    Writes rank 0's seconds per step of each epoch of each job.
-    """
+    """Runs under torchrun: two jobs in the same processes and process group, metrics off and on, alternating
+    epoch by epoch. Writes rank 0's seconds per step of each epoch of each job."""
     from service.config import load_config
-    from service.loop.train import build_job
+    from service.loop.runtime import Runtime
+    from service.state.preemption import Preemption
     from service.world.distributed import distributed
     from service.world.env import detect_world
 
@@ -53,8 +52,12 @@ def worker(epochs: int, batch: int, scrape_every: float, out: Path, ledger: bool
         configs = {mode: load_config(None, [*_overrides(mode, batch, epochs, ledger), f"run_dir={tmp}/{mode}"])
                    for mode in ("off", "on")}  # fmt: skip
         with distributed(world, configs["off"].dist.backend, configs["off"].dist.timeout_seconds) as ctx:
-            times = _time_epochs({mode: build_job(config, world, ctx) for mode, config in configs.items()},
-                                 epochs, scrape_every)  # fmt: skip
+            runtimes = {mode: Runtime(config, world, ctx, Preemption()) for mode, config in configs.items()}
+            try:
+                times = _time_epochs(runtimes, epochs, scrape_every)
+            finally:  # the models go before the process group
+                for runtime in runtimes.values():
+                    runtime.close()
     if world.rank == 0:
         out.write_text(json.dumps(times))
 
@@ -71,16 +74,20 @@ def _overrides(mode: str, batch: int, epochs: int, ledger: bool = False) -> list
     ]  # fmt: skip
 
 
-def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list[float]]:
-    """Seconds per step of each epoch of each job; the jobs die with this frame, before the process group."""
+def _time_epochs(runtimes: dict, epochs: int, scrape_every: float) -> dict[str, list[float]]:
+    """Seconds per step of each epoch of each job, each epoch the task loop's own steps (``overhead.task_epoch``)."""
     import torch.distributed as dist
+    from overhead import task_epoch  # this directory's: the task loop's epoch, shared with bench/overhead.py
 
-    from service.loop.job import LoopState
-    from service.loop.train import _Window, train_epoch
+    from service.loop.stepping import Hooks
+    from service.loop.train import build_job
     from service.telemetry.metrics import PrometheusSink
 
-    ports = [sink.port for sink in jobs["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
-    assert not [s for s in jobs["off"].roles.sink.sinks if isinstance(s, PrometheusSink)]
+    jobs = {mode: build_job(runtime) for mode, runtime in runtimes.items()}
+    hooks = {mode: Hooks(stepped=job.nonfinite.check, epoch_start=job.model.train) for mode, job in jobs.items()}
+    ports = [sink.port for sink in runtimes["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
+    if [sink for sink in runtimes["off"].roles.sink.sinks if isinstance(sink, PrometheusSink)]:
+        raise SystemExit("The job with metrics off serves Prometheus metrics: the comparison would be void.")
     stop = threading.Event()
     scrapes = [0]
 
@@ -92,22 +99,17 @@ def _time_epochs(jobs: dict, epochs: int, scrape_every: float) -> dict[str, list
 
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
-    states = {mode: (LoopState(), _Window(job.device, job.world_sum)) for mode, job in jobs.items()}
     times: dict[str, list[float]] = {mode: [] for mode in jobs}
     for epoch in range(epochs):
         for mode in ("off", "on") if epoch % 2 == 0 else ("on", "off"):
-            job, (state, window) = jobs[mode], states[mode]
-            state.epoch, state.cursor = epoch, 0
             dist.barrier()
             start = time.perf_counter()
-            train_epoch(job, state, window, [])
-            times[mode].append((time.perf_counter() - start) / job.plan.steps_in_epoch(0))
+            count = task_epoch(runtimes[mode], jobs[mode], hooks[mode])
+            times[mode].append((time.perf_counter() - start) / max(count, 1))
     stop.set()
     scraper.join()
-    if jobs["on"].world.rank == 0:
+    if runtimes["on"].world.rank == 0:
         print(f"scraped {scrapes[0]} times", file=sys.stderr)
-    for job in jobs.values():
-        job.roles.close()
     return times
 
 
@@ -117,7 +119,7 @@ def run(epochs: int, batch: int, scrape_every: float, ledger: bool = False) -> d
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                "--worker", "--epochs", str(epochs), "--batch", str(batch), "--scrape-every", str(scrape_every),
                "--out", str(out), *(["--ledger"] if ledger else [])]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"The benchmark run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")

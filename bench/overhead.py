@@ -223,8 +223,8 @@ def service(setup: Setup) -> list[Epoch]:
 
     from service.config import load_config
     from service.loop.runtime import Runtime
-    from service.loop.stepping import Hooks, steps
-    from service.loop.train import build_job, optimizer_step
+    from service.loop.stepping import Hooks
+    from service.loop.train import build_job
     from service.state.preemption import Preemption
     from service.world.env import detect_world
 
@@ -241,16 +241,28 @@ def service(setup: Setup) -> list[Epoch]:
             def own() -> Epoch:
                 dist.barrier()
                 with Clocks("service") as clocks:
-                    for fed in steps(runtime, job.feed, hooks, one_epoch=True):
-                        with clocks.body():
-                            loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
-                        runtime.log({"loss": loss})
+                    task_epoch(runtime, job, hooks, clocks.body)
                 return clocks.row
 
             for epoch in range(setup.epochs):
                 rows += interleave(epoch, bare, own)
             bare.close()
     return rows
+
+
+def task_epoch(runtime, job, hooks, body=contextlib.nullcontext):  # noqa: ANN001, ANN201 - service objects
+    """One epoch of the task loop's steps, as ``ddp-service train`` runs them (``body`` wraps each step's body);
+    returns the steps run."""
+    from service.loop.stepping import steps
+    from service.loop.train import optimizer_step
+
+    count = 0
+    for fed in steps(runtime, job.feed, hooks, one_epoch=True):
+        with body():
+            loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
+        runtime.log({"loss": loss})
+        count += 1
+    return count
 
 
 def session(setup: Setup) -> list[Epoch]:

@@ -150,3 +150,37 @@ def test_imports_seen_in_functions_and_type_checking(tmp_path: Path) -> None:
     )
     known = {"service.loop", "service.loop.train", "service.telemetry.metrics", "service.config"}
     assert imports("service.telemetry.m", path, known) == known
+
+
+def missing_names(path: Path, roots: tuple[str, ...] = ("service",)) -> list[str]:
+    """``from <root>... import name`` lines (in functions too) of ``path`` whose module or name no longer exists."""
+    import importlib
+    import importlib.util
+
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in roots):
+            continue
+        module = importlib.import_module(str(node.module))
+        for alias in node.names:
+            submodule = hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{alias.name}")
+            if not hasattr(module, alias.name) and not submodule:
+                missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+    return missing
+
+
+def test_benches_examples_and_tests_import_only_names_that_still_exist(tmp_path: Path) -> None:
+    """Imports inside functions run only when the function does: a refactor once left bench/metrics_overhead.py
+    (which no test runs) importing two names the task loop had dropped, and a test's helper moved from one test
+    module to another failed only in the one e2e test that imported it where it ran."""
+    repo, tests = SERVICE.parent, Path(__file__).resolve().parent
+    scripts = sorted([*(repo / "bench").glob("*.py"), *(repo / "examples").rglob("*.py")])
+    own = tuple(sorted({path.stem for path in tests.glob("*.py")} | {"rendezvous"}))
+    assert len(scripts) > 10 and "test_prometheus_e2e" in own
+    assert [name for path in scripts for name in missing_names(path)] == []
+    assert [name for path in sorted(tests.rglob("*.py")) for name in missing_names(path, ("service", *own))] == []
+    stale = tmp_path / "stale.py"
+    stale.write_text("def worker():\n    from service.loop.train import _Window, build_job\n"
+                     "    from test_prometheus_e2e import Prometheus, free_base_port\n")  # fmt: skip
+    assert missing_names(stale, ("service", *own)) == ["stale.py:2 service.loop.train._Window",
+                                                       "stale.py:3 test_prometheus_e2e.free_base_port"]  # fmt: skip

@@ -414,11 +414,12 @@ ITEM_SLEEP, LINGER, BATCH = 0.01, 2.0, 4
 
 @pytest.mark.e2e
 def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(tmp_path):
-    from test_prometheus_e2e import Prometheus, free_base_port
+    from rendezvous.conftest import free_ports
+    from test_prometheus_e2e import Prometheus
     from test_resume_e2e import finish, watch
 
     require_tool("prometheus", "`make test` installs the Debian package prometheus (apt-get, as root).")
-    base = free_base_port(("127.0.0.1",), 2)
+    base = free_ports(2)
     prom = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{base}"])  # rank 0: the goodput gauges
     run_dir = tmp_path / "run"
     quick = [item for override in QUICK for item in ("--set", override)]
