@@ -25,6 +25,35 @@ QUICK = (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def stale_snapshot_areas_removed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end, remove the in-memory snapshot areas that this worker's tests left stale: tests SIGKILL agents on
+    purpose, and a killed agent cannot clean up its area in /dev/shm, where it would hold shared memory for good
+    (about ten per run of the suite). Only areas whose agent is gone (doctor's rule) and whose run_dir lies under
+    this worker's temporary directory."""
+    yield
+    import socket
+
+    from service.config import CheckpointConfig
+    from service.ops.doctor_checks import stale_reason
+    from service.state.snapshot import MARKER
+
+    mine, host = tmp_path_factory.getbasetemp().resolve(), socket.gethostname()
+    for area in snapshot_areas(Path(CheckpointConfig().snapshot_dir)):
+        try:
+            run_dir = Path(json.loads((area / MARKER).read_text())["run_dir"]).resolve()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if run_dir.is_relative_to(mine) and stale_reason(area, host) is not None:
+            shutil.rmtree(area, ignore_errors=True)
+
+
+def snapshot_areas(root: Path) -> list[Path]:
+    """This user's snapshot areas under ``root``."""
+    base = root / f"ddp-service-{os.getuid()}"
+    return sorted(path for path in base.iterdir() if path.is_dir()) if base.is_dir() else []
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with the most real-process (e2e) tests run first, each file's tests in their own order.
 

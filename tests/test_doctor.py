@@ -15,11 +15,20 @@ from pathlib import Path
 
 import pytest
 from conftest import fill
-from rendezvous.conftest import EtcdMember, free_port, make_tls_files, require_etcd, require_openssl, start_single
+from rendezvous.conftest import (
+    EtcdMember,
+    free_port,
+    free_ports,
+    make_tls_files,
+    require_etcd,
+    require_openssl,
+    start_single,
+)
 
 from service.config import load_config
 from service.ops.doctor import main
 from service.ops.doctor_checks import batch_bytes, check_shm
+from service.rendezvous.ports import can_listen, ephemeral_range
 from service.tasks.loader import load_task
 
 pytestmark = pytest.mark.e2e
@@ -184,3 +193,25 @@ def test_stale_snapshot_areas_are_listed_with_their_size_and_the_command_and_non
         "fix": None,
         "detail": f"2 under {root / f'ddp-service-{os.getuid()}'}, none stale",
     }
+
+
+def test_metrics_ports_in_the_ephemeral_range_are_a_warning_naming_the_range_and_a_port_below_it(tmp_path, capsys):
+    """The CI failure behind it: a test polled a job's metrics port, an ephemeral one, before the worker listened,
+    and its connection was given that same port and connected to itself."""
+    low, high = ephemeral_range()
+    base = next(port for port in range(high - 1, low, -1) if all(can_listen(p) for p in (port, port + 1)))
+    code, checks = doctor(capsys, "--nproc-per-node=2", "--set", f"metrics.port={base}",
+                          "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    check = checks["metrics ports"]
+    assert code == 0 and check["status"] == "warn", checks
+    assert f"{base} lies in this machine's ephemeral range {low}-{high}" in check["detail"]
+    assert f"A metrics.port at most {low - 2}" in check["detail"]
+    below = free_ports(2)  # outside the range: no warning
+    code, checks = doctor(capsys, "--nproc-per-node=2", "--set", f"metrics.port={below}",
+                          "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert checks["metrics ports"]["status"] == "ok", checks
+    straddling = low - 1  # local rank 0 below the range, local rank 1 its first port
+    if all(can_listen(p) for p in (straddling, low)):
+        code, checks = doctor(capsys, "--nproc-per-node=2", "--set", f"metrics.port={straddling}",
+                              "--set", f"run_dir={tmp_path / 'run'}")  # fmt: skip
+        assert checks["metrics ports"]["status"] == "warn" and f"but {low} lies" in checks["metrics ports"]["detail"]

@@ -8,7 +8,8 @@ line as ``ddp-service launch`` and checks, without starting a worker:
 - the rendezvous: ``MASTER_ADDR:MASTER_PORT`` or the ``--rdzv-endpoint``; for etcd3 every endpoint, the
   cluster's health and version and this machine's clock skew against etcd (service/ops/doctor_checks.py);
 - that ``run_dir`` is writable with room for ``checkpoint.keep`` checkpoints of this model;
-- that the metrics ports (``metrics.port`` + local rank) are free;
+- that the metrics ports (``metrics.port`` + local rank) are free, and (a warning) outside the kernel's ephemeral
+  range, from which an outgoing connection may take one before its worker listens;
 - ``/dev/shm`` against the DataLoader workers and the in-memory snapshots;
 - stale in-memory snapshot areas (their agent process is gone): listed with their size and the command that
   removes them (doctor removes nothing).

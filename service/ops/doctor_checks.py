@@ -26,6 +26,7 @@ from typing import Any
 
 from service.config import JobConfig
 from service.rendezvous.options import ClientOptions, Endpoint, RendezvousOptions
+from service.rendezvous.ports import EPHEMERAL_RANGE_FILE, ephemeral_range
 from service.state.checkpoint_io import nearest_existing
 from service.state.files import read_small
 from service.state.snapshot import MARKER
@@ -111,13 +112,27 @@ def check_store_address(name: str, host: str, port: int, hosts_here: bool, what:
     )
 
 
+def ephemeral_hazard(ports: range, source: Path = EPHEMERAL_RANGE_FILE) -> str:
+    """Why ports chosen now and listened on later should not lie in the kernel's ephemeral range ('' if none does)."""
+    low, high = ephemeral_range(source)
+    inside = [port for port in ports if low <= port <= high]
+    if not inside:
+        return ""
+    return (f"but {inside[0]} lies in this machine's ephemeral range {low}-{high} ({source}), which outgoing "
+            "connections take their local ports from: until a worker listens there (after its imports), one may "
+            f"take it and the worker fails with EADDRINUSE, and a scrape from this machine may connect to itself. "
+            f"A metrics.port at most {low - len(ports)} (e.g. 9400) avoids both.")  # fmt: skip
+
+
 def check_metrics_ports(config: JobConfig, nproc: int) -> Check:
     port, host = config.metrics.port, config.metrics.host
     if not isinstance(port, int) or port == 0:
         return ok("metrics ports", f"metrics.port={port}: nothing to reserve")
     busy = [(rank, port + rank) for rank in range(nproc) if bind_state(host, port + rank) != "free"]
     if not busy:
-        return ok("metrics ports", f"{host}:{port}-{port + nproc - 1} are free for {nproc} local rank(s)")
+        free = f"{host}:{port}-{port + nproc - 1} are free for {nproc} local rank(s)"
+        hazard = ephemeral_hazard(range(port, port + nproc))
+        return Check("metrics ports", "warn", f"{free}, {hazard}") if hazard else ok("metrics ports", free)
     listed = ", ".join(f"{p} (local rank {r})" for r, p in busy)
     return fail(
         "metrics ports",
