@@ -311,23 +311,24 @@ def test_every_dashboard_panel_returns_data(straggler_job: LiveJob):
 
 @pytest.mark.e2e
 def test_sum_of_rank_rates_matches_summary_throughput(straggler_job: LiveJob):
-    """On a steady run the Prometheus throughput is the summary's samples_per_second, within 10%.
+    """Over the span the summary covers, the sum over ranks of rate(samples_total) is its samples_per_second,
+    within 10%.
 
-    The Prometheus side is the median, over the run's steady part (from the fixture's steady time to a
-    few seconds before the job ended), of the sum over ranks of rate(samples_total) over 8 s windows.
+    The span is the training's own: from wall_seconds before the summary was written to then. A shorter window (the
+    median of 8 s rates over the run's middle, as this test once was) is not the same quantity: on a 2-core machine
+    shared with another test worker the speed swings by a quarter within one run (45 to 67 samples/s), and the
+    whole run's mean then differs from that median by more than 10%.
     """
     for agent in straggler_job.agents:
         assert agent.wait(120) == 0, agent.log()[-3000:]
-    ended = time.time()
     summary = read_summary(straggler_job.run_dir)
     assert summary["status"] == "completed" and summary["world_size"] == 4
-    expr = f'sum(rate(ddp_train_samples_total{{run_id="{straggler_job.run_id}"}}[8s]))'
-    data = straggler_job.prometheus.api("query_range", query=expr, start=f"{straggler_job.steady_at:.3f}",
-                                        end=f"{ended - 5:.3f}", step="1s")  # fmt: skip
-    values = sorted(float(v) for series in data["result"] for _, v in series["values"])
-    assert len(values) >= 5, f"too few points of {expr} in the steady part: {values}"
-    median = values[len(values) // 2]
-    assert math.isclose(median, summary["samples_per_second"], rel_tol=0.10), (median, summary, values)
+    ended, span = (straggler_job.run_dir / "summary.json").stat().st_mtime, summary["wall_seconds"]
+    assert span > 10, summary  # long enough for 1 s scrapes to resolve it
+    expr = f'sum(rate(ddp_train_samples_total{{run_id="{straggler_job.run_id}"}}[{round(span * 1000)}ms]))'
+    result = straggler_job.prometheus.query(expr, at=ended)
+    assert len(result) == 1, (expr, result)
+    assert math.isclose(result[0]["value"], summary["samples_per_second"], rel_tol=0.10), (result, summary)
 
 
 # -- a restart: counters start again from 0, rate() never goes negative ------------------------------
