@@ -191,7 +191,6 @@ class LiveJob:
     agents: list[Agent]
     run_id: str
     run_dir: Path
-    steady_at: float = 0.0  # a time (epoch s) when the job trained at full speed
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +227,6 @@ def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]
 
         wait_until(all_four_training, 90, "all 4 ranks scraped past step 10")
         time.sleep(8)  # enough 1 s scrapes and rule evaluations in every window
-        job.steady_at = time.time()
         yield job
     finally:
         for agent in agents:
