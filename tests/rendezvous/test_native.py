@@ -311,6 +311,49 @@ def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(
     assert (info.rank, info.world_size) == (0, 1)
 
 
+def test_a_stream_that_ends_while_it_is_being_opened_is_rebuilt_and_a_departure_still_seen(
+    etcd_private: EtcdMember, make: Make
+) -> None:
+    """etcd can end a watch right after confirming it (a compaction while the new watch still catches up: a CI run
+    of the test above once waited 20 s in vain). If that end comes before the opening thread keeps the stream, the
+    opening rebuilds it; before, the end was dropped and the node watched nothing until its next round."""
+    a, b = make(etcd_private.endpoint, 1, 2), make(etcd_private.endpoint, 1, 2)
+    together(a.next_rendezvous, b.next_rendezvous)
+    mirror = a._mirror
+    real, ended = mirror._client.open_watch_stream, []
+
+    def open_then_end(watches: Any, on_response: Any, on_end: Any, *rest: Any) -> Any:
+        """The next stream ends, and the mirror hears of it, before the opening thread keeps the stream."""
+        if ended:
+            return real(watches, on_response, on_end, *rest)
+        heard = threading.Event()
+
+        def end_heard(error: BaseException | None) -> None:
+            on_end(error)
+            heard.set()
+
+        stream = real(watches, on_response, end_heard, *rest)
+        stream.close()
+        assert heard.wait(10), "the closed stream's end never reached the mirror"
+        ended.append(stream)
+        return stream
+
+    mirror._client.open_watch_stream = open_then_end
+    resyncs = mirror.resyncs
+    etcd_private.kill()  # breaks a's stream: its rebuild opens the stream that ends at once
+    etcd_private.start()
+    etcd_private.wait_listening()
+    wait_healthy(etcd_private.endpoint)
+    wait_until(lambda: ended, 20)
+    assert wait_until(lambda: mirror.resyncs >= resyncs + 2, 10)  # the broken stream's rebuild, then the ended one's
+    client = client_for(etcd_private.endpoint)
+    try:
+        client.call(lambda c: c.revoke_lease(b._lease._id), "revoking")  # b departs: a's live watch must see it
+    finally:
+        client.close()
+    assert wait_until(a.num_nodes_waiting, 10) >= 1
+
+
 # -- nothing from etcd is unpickled or trusted unsigned ------------------------------------------------
 def test_planted_values_are_refused_and_nothing_runs(
     etcd_server: EtcdMember, make: Make, run_id: str, tmp_path: Any

@@ -108,6 +108,7 @@ class Mirror:
         self._stream: WatchStream | None = None
         self._generation = 0
         self._recovering = 0  # the generation whose broken stream is being rebuilt
+        self._lost_while_opening = 0  # a generation whose stream ended, or had a watch ended, before it was kept
         self._stopped = False
         self.error: EtcdError | None = None
         self.resyncs = 0  # how often the stream was rebuilt, for tests and the benchmark
@@ -282,6 +283,7 @@ class Mirror:
         )
         with self.cond:
             current = not self._stopped and generation == self._generation
+            lost = current and self._lost_while_opening == generation
             if current:
                 self._stream = stream
                 for rng in self._ranges.values():  # added while the stream was opened
@@ -293,6 +295,9 @@ class Mirror:
         if not current:
             stream.close()
         self._purge(forged)
+        if lost:
+            log.info("The rendezvous watch ended while it was opened; reading the keys again.")
+            self._rebuild(generation)
 
     def _rebuild(self, generation: int) -> None:
         """Rebuild the stream of ``generation`` (once), on a thread of its own."""
@@ -302,17 +307,27 @@ class Mirror:
             self._recovering = generation
         threading.Thread(target=self._recover, name="etcd3-rdzv-resync", daemon=True).start()
 
+    def _opened(self, generation: int) -> bool:
+        """Whether the stream of ``generation`` is kept already (``cond`` held); if it is still opening, note that
+        it was lost: the opening rebuilds it once it keeps it. etcd may end a watch right after confirming it (a
+        compaction while the new watch still catches up), before the opening thread has kept the stream."""
+        if self._stream is None and generation == self._generation:
+            self._lost_while_opening = generation
+        return self._stream is not None
+
     def _on_end(self, generation: int, error: BaseException | None) -> None:
         """The stream ended (an error, or ``None`` when closed here): rebuild unless stopped or superseded."""
         with self.cond:
-            if self._stopped or generation != self._generation or self._stream is None:
-                return  # stopped, superseded, or still opening (the opening sees the error itself)
+            if self._stopped or generation != self._generation or not self._opened(generation):
+                return  # stopped, superseded, or still opening (the opening rebuilds it)
         log.info("The rendezvous watch broke (%s); reading the keys again.", error)
         self._rebuild(generation)
 
     def _on_response(self, generation: int, rng: Range, response: Any) -> None:
         if response.canceled:  # etcd refused or ended this watch (its history compacted away): read afresh
-            if self._stream is not None:  # (while the stream opens, the opening sees the refusal itself)
+            with self.cond:
+                opened = self._opened(generation)
+            if opened:  # (while the stream opens: a refusal raises there, a later end is rebuilt once kept)
                 log.info("etcd ended the rendezvous watch on %s (%s); reading the keys again.",
                          rng.key.decode(errors="replace"), response.cancel_reason or "compacted")  # fmt: skip
                 self._rebuild(generation)
