@@ -35,23 +35,22 @@ def stale_snapshot_areas_removed(tmp_path_factory: pytest.TempPathFactory) -> It
     import socket
 
     from service.config import CheckpointConfig
-    from service.ops.doctor_checks import stale_reason
-    from service.state.snapshot import MARKER
+    from service.ops.doctor_checks import agent_gone
+    from service.state.snapshot import list_areas, read_owner
 
     mine, host = tmp_path_factory.getbasetemp().resolve(), socket.gethostname()
-    for area in snapshot_areas(Path(CheckpointConfig().snapshot_dir)):
+    try:
+        areas = list_areas(CheckpointConfig().snapshot_dir)
+    except OSError:
+        return
+    for area in areas:
         try:
-            run_dir = Path(json.loads((area / MARKER).read_text())["run_dir"]).resolve()
-        except (OSError, ValueError, KeyError, TypeError):
+            owner = read_owner(area)
+        except (OSError, ValueError):
             continue
-        if run_dir.is_relative_to(mine) and stale_reason(area, host) is not None:
+        run_dir = owner.get("run_dir")
+        if isinstance(run_dir, str) and Path(run_dir).resolve().is_relative_to(mine) and agent_gone(area, owner, host):
             shutil.rmtree(area, ignore_errors=True)
-
-
-def snapshot_areas(root: Path) -> list[Path]:
-    """This user's snapshot areas under ``root``."""
-    base = root / f"ddp-service-{os.getuid()}"
-    return sorted(path for path in base.iterdir() if path.is_dir()) if base.is_dir() else []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

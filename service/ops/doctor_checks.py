@@ -12,7 +12,6 @@ import dataclasses
 import errno
 import http.client
 import io
-import json
 import os
 import shlex
 import shutil
@@ -28,8 +27,7 @@ from service.config import JobConfig
 from service.rendezvous.options import ClientOptions, Endpoint, RendezvousOptions
 from service.rendezvous.ports import EPHEMERAL_RANGE_FILE, ephemeral_range
 from service.state.checkpoint_io import nearest_existing
-from service.state.files import read_small
-from service.state.snapshot import MARKER
+from service.state.snapshot import MARKER, areas_root, list_areas, read_owner
 from service.world.holder import pid_alive, process_start
 
 MiB = 1 << 20
@@ -366,14 +364,16 @@ def _tree_bytes(path: Path) -> int:
 def stale_reason(area: Path, host: str) -> str | None:
     """Why the snapshot area ``area`` is stale (its agent is gone from this host), or None while it may be used."""
     try:
-        raw = read_small(area, MARKER, 4096)
-        owner = json.loads(raw) if raw is not None else None
+        owner = read_owner(area)
     except FileNotFoundError:
         return f"no {MARKER}: no job owns it"
     except ValueError as exc:
-        return f"its {MARKER} cannot be read ({exc})"
-    if not isinstance(owner, dict) or type(owner.get("agent")) is not int or not isinstance(owner.get("host"), str):
-        return f"its {MARKER} names no agent process"
+        return str(exc)
+    return agent_gone(area, owner, host)
+
+
+def agent_gone(area: Path, owner: dict[str, Any], host: str) -> str | None:
+    """Why the area whose marker says ``owner`` (:func:`read_owner`) is stale, or None while its agent lives."""
     if owner["host"] != host:
         return None  # another host's: its agent cannot be looked for here
     agent, written = owner["agent"], os.lstat(area / MARKER).st_mtime
@@ -389,10 +389,10 @@ def check_snapshot_areas(config: JobConfig, host: str | None = None) -> Check:
     """The in-memory snapshot areas of this user under ``checkpoint.snapshot_dir`` whose agent process is gone:
     a job that ended past its clean-up left them (the hang watchdog's exit, a SIGKILLed agent), and nothing
     reads them again. Listed with their size and the command that removes them; doctor removes nothing."""
-    root = Path(config.checkpoint.snapshot_dir) / f"ddp-service-{os.getuid()}"
+    root = areas_root(config.checkpoint.snapshot_dir)
     host = host or socket.gethostname()
     try:
-        areas = sorted(path for path in root.iterdir() if path.is_dir() and not path.is_symlink())
+        areas = list_areas(config.checkpoint.snapshot_dir)
     except FileNotFoundError:
         return ok("snapshot areas", f"none under {root}")
     except OSError as exc:

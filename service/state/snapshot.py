@@ -141,7 +141,36 @@ def node_area(root: str, run_dir: str, run_id: str | None, host: str | None = No
         "agent": os.getppid() if agent is None else agent,
     }
     key = hashlib.sha256(json.dumps(owner, sort_keys=True).encode()).hexdigest()[:24]
-    return Area(Path(root) / f"ddp-service-{os.getuid()}" / key, owner)
+    return Area(areas_root(root) / key, owner)
+
+
+def areas_root(root: str | Path) -> Path:
+    """Where this user's snapshot areas lie under ``checkpoint.snapshot_dir``."""
+    return Path(root) / f"ddp-service-{os.getuid()}"
+
+
+def list_areas(root: str | Path) -> list[Path]:
+    """The directories of this user's snapshot areas under ``root`` (symlinks left out), sorted.
+
+    Raises ``OSError`` when they cannot be listed (``FileNotFoundError`` when there is none yet).
+    """
+    return sorted(path for path in areas_root(root).iterdir() if path.is_dir() and not path.is_symlink())
+
+
+def read_owner(area: Path) -> dict[str, Any]:
+    """What the marker of ``area`` says: its job (run_dir, run id) and the agent process and host that own it.
+
+    Raises ``FileNotFoundError`` without a marker, ``ValueError`` (whose text says why) for a marker that cannot
+    be read or names no agent process and host.
+    """
+    try:
+        raw = read_small(area, MARKER, 4096)
+        owner = json.loads(raw) if raw is not None else None
+    except ValueError as exc:
+        raise ValueError(f"its {MARKER} cannot be read ({exc})") from exc
+    if not isinstance(owner, dict) or type(owner.get("agent")) is not int or not isinstance(owner.get("host"), str):
+        raise ValueError(f"its {MARKER} names no agent process")
+    return owner
 
 
 def areas_of_agent(root: str, agent: int, host: str | None = None) -> list[Area]:
@@ -149,20 +178,18 @@ def areas_of_agent(root: str, agent: int, host: str | None = None) -> list[Area]
 
     Only directories of this user with mode 0700 (see :meth:`Area.problem`) and a readable marker count.
     """
-    base = Path(root) / f"ddp-service-{os.getuid()}"
     host = host or socket.gethostname()
     found = []
     try:
-        children = sorted(base.iterdir())
+        paths = list_areas(root)
     except OSError:
         return []
-    for path in children:
+    for path in paths:
         try:
-            raw = read_small(path, MARKER, 4096)
-            owner = json.loads(raw) if raw is not None else None
+            owner = read_owner(path)
         except (OSError, ValueError):
             continue
-        if isinstance(owner, dict) and owner.get("agent") == agent and owner.get("host") == host:
+        if owner["agent"] == agent and owner["host"] == host:
             area = Area(path, owner)
             if area.problem() is None:
                 found.append(area)
