@@ -26,7 +26,8 @@ from service.rendezvous.requests import WatchSpec
 
 class WatchStream:
     """A bidirectional Watch call; ``on_response(tag, response)`` gets each watch's responses (etcd's messages),
-    ``on_end(error)`` the stream's end (``None`` when closed here)."""
+    ``on_end(error)`` the stream's end (``None`` only when closed here: an end from etcd's side, even a clean one,
+    comes with an error)."""
 
     def __init__(
         self,
@@ -115,8 +116,9 @@ class WatchStream:
             closed = self._closed
             if not closed:
                 self._ended = error or etcd_exc.ConnectionFailedError()  # etcd ended it: as if unreachable
+            ended = self._ended
             self._changed.notify_all()
-        self._on_end(None if closed else error)
+        self._on_end(ended)  # None only for a stream closed here
 
     def _route(self, response: Any) -> Hashable | None:
         """The watch ``response`` belongs to; ``None`` for one that is no longer wanted."""

@@ -1,15 +1,8 @@
 """A local copy of the run's keys that matter to this node, kept current by watches on one stream (read, then watch).
 
 The native rendezvous decides everything from this copy, so no node polls etcd. What it watches depends on the
-node's part in the round (``watching.py``), so that a join costs every other node no event. Each :class:`Range`
-is one of:
-
-* ``FULL``: every key of the range with its value, in :meth:`Mirror.items`;
-* ``DELETES``: only deletions (etcd filters the puts out before sending): the keys deleted since the range
-  began, and after a re-read the keys absent from it (:meth:`Range.gone`);
-* ``PUTS``: only puts: the keys written since the range began, with their values.
-
-A range may stop its watch itself (``until``) once its answer cannot change any more.
+node's part in the round (``watching.py``), so that a join costs every other node no event. Each watched range
+keeps all its keys (``FULL``, in :meth:`Mirror.items`), or only what deletions or puts told (``ranges.py``).
 
 When the stream breaks (an etcd restart, a fail-over to another member, a refused login token), every range is
 read again in one transaction, at one revision, and the stream is rebuilt from that revision. Decisions are taken
@@ -28,59 +21,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from service.rendezvous.client import EtcdClient, EtcdError, WatchCompactedError
-from service.rendezvous.requests import ALL, DELETES, PUTS, RangeRead, WatchSpec
+from service.rendezvous.native.ranges import FULL, Entry, Range
+from service.rendezvous.requests import DELETES, WatchSpec
 from service.rendezvous.watchstream import WatchStream
 
 log = logging.getLogger(__name__)
 _COMPACTED_RETRIES = 5
-FULL = ALL
-_LATER_LIMIT = 64  # a re-read of a PUTS range keeps this many of its keys: enough to know someone waits
 _DELETE = 1  # etcd's Event.DELETE
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One key as last seen: value and revisions (create_revision orders joins)."""
-
-    value: bytes
-    create_revision: int
-    mod_revision: int
-
-
-@dataclass(eq=False)
-class Range:
-    """One watched range (``end`` ``None``: the one key ``key``) and what its watch told so far."""
-
-    name: str
-    key: bytes
-    end: bytes | None
-    kind: str  # FULL, DELETES or PUTS
-    start: int = 0  # the revision its watch starts from (0: read it first)
-    until: Callable[[Range], bool] | None = None  # stop watching once this holds
-    deleted: set[bytes] = field(default_factory=set)  # DELETES: keys deleted since it began
-    present: set[bytes] | None = None  # DELETES: the keys of its last re-read, less those deleted since
-    put: dict[bytes, Entry] = field(default_factory=dict)  # PUTS: keys written since it began
-    revision: int = 0  # the newest revision its copy reflects
-    done: bool = False  # ``until`` held: its watch is cancelled
-
-    def covers(self, key: bytes) -> bool:
-        if self.end is None:
-            return key == self.key
-        return key >= self.key and (self.end == b"\0" or key < self.end)
-
-    def gone(self, key: bytes) -> bool:
-        """DELETES: whether ``key`` was deleted since the range began (or was absent from its re-read)."""
-        return key in self.deleted or (self.present is not None and key not in self.present)
-
-    def read(self) -> RangeRead:
-        """How a re-read fetches it: values, keys only for DELETES, the first few for PUTS."""
-        return RangeRead(
-            self.key, self.end, keys_only=self.kind == DELETES, limit=_LATER_LIMIT if self.kind == PUTS else 0
-        )
 
 
 class Mirror:
@@ -109,6 +59,7 @@ class Mirror:
         self._generation = 0
         self._recovering = 0  # the generation whose broken stream is being rebuilt
         self._lost_while_opening = 0  # a generation whose stream ended, or had a watch ended, before it was kept
+        self._held: tuple[int, list[tuple[Range, Any]]] | None = None  # a generation's events held for its read
         self._stopped = False
         self.error: EtcdError | None = None
         self.resyncs = 0  # how often the stream was rebuilt, for tests and the benchmark
@@ -216,44 +167,44 @@ class Mirror:
     # -- reading -------------------------------------------------------------------------------
     def _read_into(self, rng: Range, generation: int) -> bool:
         """Read ``rng`` now and watch it from there; ``False`` if the stream was rebuilt meanwhile."""
-        revision, [kvs] = self._client.read_ranges([rng.read()], "reading the rendezvous keys")
+        read = self._client.read_ranges([rng.read()], "reading the rendezvous keys")
         with self.cond:
             if generation != self._generation or self._ranges.get(rng.name) is not rng:
                 return False
-            forged = self._apply_read(rng, revision, kvs)
-            self.cond.notify_all()
-            self.major_cond.notify_all()
+            forged = self._apply_reads([rng], read)
         self._purge(forged)
         return True
 
     def _apply_read(self, rng: Range, revision: int, kvs: list[Any]) -> list[tuple[bytes, bytes]]:
-        """Take a fresh read of ``rng`` at ``revision`` (``cond`` held); the forged values it holds."""
+        """Take a fresh read of ``rng`` at ``revision`` (``cond`` held); the forged values it holds.
+
+        A read older than what the range reflects (a newer read, or events, came first) is stale, and is dropped.
+        """
+        if revision < rng.revision:
+            return []
         forged = [(kv.key, kv.value) for kv in kvs if rng.kind != DELETES and self._forgery(kv.key, kv.value)]
         refused = {key for key, _ in forged}
         kept = [kv for kv in kvs if kv.key not in refused]
         if rng.kind == FULL:
             self._forget(rng)
             self._entries.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kept})
-        elif rng.kind == DELETES:
-            rng.present, rng.deleted = {kv.key for kv in kept}, set()
-        else:
-            rng.put.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kept})
-        rng.start, rng.revision = revision + 1, max(rng.revision, revision)
+        rng.take_read(revision, kept)
         self._revision = max(self._revision, revision)
         self.deletions += 1
         return forged
 
     # -- the stream ------------------------------------------------------------------------------
-    def _resync(self) -> None:
+    def _resync(self, confirm: bool = False) -> None:
         for _ in range(_COMPACTED_RETRIES):
             try:
-                return self._resync_once()
+                return self._resync_once(confirm)
             except WatchCompactedError:  # compacted between the read and the watch: read again
                 continue
         raise EtcdError("etcd compacted the rendezvous keys' history faster than they could be watched.")
 
-    def _resync_once(self) -> None:
-        """Read every range at one revision, then watch them all from there on a new stream."""
+    def _resync_once(self, confirm: bool) -> None:
+        """Read every range at one revision, then watch them all from there on a new stream (and, to ``confirm``,
+        read them once more after etcd confirmed the watches: :meth:`_read_confirmed`)."""
         with self.cond:
             if self._stopped:
                 return
@@ -263,17 +214,12 @@ class Mirror:
             ranges = [r for r in self._ranges.values() if not r.done]
         if old is not None:
             old.close()
-        revision, reads = self._client.read_ranges([r.read() for r in ranges], "reading the rendezvous keys")
-        forged: list[tuple[bytes, bytes]] = []
+        read = self._client.read_ranges([r.read() for r in ranges], "reading the rendezvous keys")
         with self.cond:
             if self._stopped or generation != self._generation:
                 return
-            for rng, kvs in zip(ranges, reads, strict=True):
-                if self._ranges.get(rng.name) is rng:
-                    forged += self._apply_read(rng, revision, kvs)
+            forged = self._apply_reads(ranges, read)
             ranges = [r for r in ranges if self._ranges.get(r.name) is r]
-            self.cond.notify_all()
-            self.major_cond.notify_all()
         stream = self._client.open_watch_stream(
             [(r, self._spec(r)) for r in ranges],
             lambda rng, response: self._on_response(generation, cast(Range, rng), response),
@@ -294,10 +240,62 @@ class Mirror:
                         stream.cancel(rng)
         if not current:
             stream.close()
+        elif confirm:
+            forged += self._read_confirmed(generation)
         self._purge(forged)
         if lost:
             log.info("The rendezvous watch ended while it was opened; reading the keys again.")
             self._rebuild(generation)
+
+    def _read_confirmed(self, generation: int) -> list[tuple[bytes, bytes]]:
+        """Read the watched ranges again now that etcd confirmed their watches; the forged values read.
+
+        etcd before 3.5.16 (etcd-io/etcd#18089) drops a deletion from a watch that starts at the revision a
+        compaction was made at, if that revision is the deletion and the compaction came first; no refusal comes
+        either. This read sees every deletion up to it; the watch brings the later ones. Events that come while it
+        is under way wait for it (:meth:`_hold`), so it never lands on a newer copy. A first start does without.
+        """
+        with self.cond:
+            ranges = self._hold(generation)
+        try:
+            read = self._client.read_ranges([r.read() for r in ranges], "reading the rendezvous keys")
+        except BaseException:
+            with self.cond:
+                self._release(generation, ranges, None)
+            raise
+        with self.cond:
+            return self._release(generation, ranges, read)
+
+    def _hold(self, generation: int) -> list[Range]:
+        """Keep the events of ``generation`` until :meth:`_release` (``cond`` held); the ranges to read."""
+        self._held = (generation, [])
+        return [r for r in self._ranges.values() if not r.done]
+
+    def _release(
+        self, generation: int, ranges: list[Range], read: tuple[int, list[list[Any]]] | None
+    ) -> list[tuple[bytes, bytes]]:
+        """Take ``read`` (of ``ranges``, made after :meth:`_hold`), then the events held since, in the order they
+        came (those the read holds already are skipped); ``cond`` held. The forged values read."""
+        held: list[tuple[Range, Any]] = []
+        if self._held is not None and self._held[0] == generation:  # (else a newer rebuild holds its own)
+            held, self._held = self._held[1], None
+        forged = self._apply_reads(ranges, read) if read is not None and generation == self._generation else []
+        for rng, response in held:
+            self._on_response(generation, rng, response)
+        return forged
+
+    def _apply_reads(self, ranges: list[Range], read: tuple[int, list[list[Any]]]) -> list[tuple[bytes, bytes]]:
+        """Take one read of ``ranges`` at one revision, those still watched (``cond`` held); the forged values."""
+        revision, reads = read
+        forged: list[tuple[bytes, bytes]] = []
+        if self._stopped:
+            return forged
+        for rng, kvs in zip(ranges, reads, strict=True):
+            if self._ranges.get(rng.name) is rng and not rng.done:
+                forged += self._apply_read(rng, revision, kvs)
+        self.cond.notify_all()
+        self.major_cond.notify_all()
+        return forged
 
     def _rebuild(self, generation: int) -> None:
         """Rebuild the stream of ``generation`` (once), on a thread of its own."""
@@ -318,8 +316,8 @@ class Mirror:
     def _on_end(self, generation: int, error: BaseException | None) -> None:
         """The stream ended (an error, or ``None`` when closed here): rebuild unless stopped or superseded."""
         with self.cond:
-            if self._stopped or generation != self._generation or not self._opened(generation):
-                return  # stopped, superseded, or still opening (the opening rebuilds it)
+            if error is None or self._stopped or generation != self._generation or not self._opened(generation):
+                return  # closed here, stopped, superseded, or still opening (the opening rebuilds it)
         log.info("The rendezvous watch broke (%s); reading the keys again.", error)
         self._rebuild(generation)
 
@@ -334,12 +332,17 @@ class Mirror:
             return
         forged: list[tuple[bytes, bytes]] = []
         with self.cond:
+            if self._held is not None and self._held[0] == generation:  # its read is under way: after it
+                self._held[1].append((rng, response))
+                return
             if generation != self._generation or self._ranges.get(rng.name) is not rng or rng.done:
                 return
             major = False
             for event in response.events:
                 deleted = event.type == _DELETE
                 kv = event.kv
+                if kv.mod_revision <= rng.read_at:  # the range's latest read holds it already
+                    continue
                 refused = not deleted and self._forgery(kv.key, kv.value) is not None
                 if refused:
                     forged.append((kv.key, kv.value))
@@ -364,21 +367,14 @@ class Mirror:
                 return False
             self._entries[key] = Entry(kv.value, kv.create_revision, kv.mod_revision)
             return self._major(key)
-        if rng.kind == DELETES:
-            if deleted:
-                rng.deleted.add(key)
-                if rng.present is not None:
-                    rng.present.discard(key)
-                self.deletions += 1
-            return deleted
-        if not deleted and not refused:
-            rng.put[key] = Entry(kv.value, kv.create_revision, kv.mod_revision)
-            return True
-        return False
+        changed = not refused and rng.take_event(kv, deleted)
+        if changed and deleted:
+            self.deletions += 1
+        return changed
 
     def _recover(self) -> None:
         try:
-            self._resync()
+            self._resync(confirm=True)
             with self.cond:
                 self.resyncs += 1
         except EtcdError as exc:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from service.rendezvous.client import EtcdClient, EtcdError, prefix_end
-from service.rendezvous.native.mirror import Entry
+from service.rendezvous.native.ranges import Entry
 from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
 from service.rendezvous.requests import RangeRead, delete_op, put_op, txn_request
 

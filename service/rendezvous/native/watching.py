@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from service.rendezvous.client import EtcdError, prefix_end
 from service.rendezvous.native.errors import connection_error
-from service.rendezvous.native.mirror import FULL, Mirror, Range
+from service.rendezvous.native.mirror import Mirror
+from service.rendezvous.native.ranges import FULL, Range
 from service.rendezvous.native.records import Layout, NodeRecord
 from service.rendezvous.native.rounds import among_sealers
 from service.rendezvous.requests import DELETES, PUTS
