@@ -113,7 +113,7 @@ def run(kind: str, ops: list[tuple[int, bool]], first: int, steps: list[tuple[st
         return rev, [read(truth[rev], rev, created)]
 
     with mirror.cond:  # as the mirror's own threads call these
-        mirror._apply_reads([rng], at(first))
+        mirror._apply_reads([rng], at(first), fresh=True)
     seen, holding = first, False
     assert copy() == expected(first)
     for what, rev in steps:
@@ -147,3 +147,20 @@ def test_a_full_range_never_goes_back_in_time_and_ends_at_etcds_state(case: Any)
 @given(arrivals(deletes_only=True))
 def test_a_deletes_range_never_forgets_a_departure_and_ends_at_etcds_state(case: Any) -> None:
     run(DELETES, *case)
+
+
+def test_a_rebuilds_first_read_is_taken_even_when_older_and_any_other_older_read_is_dropped() -> None:
+    """A rebuild's first read is what etcd holds now, even when etcd came back at an older revision (restored from
+    a backup); any other read older than the copy came late, behind events or a newer read, and is dropped."""
+    mirror = Mirror(None, PREFIX)  # type: ignore[arg-type]  # nothing here reaches etcd
+    rng = Range("r", PREFIX, prefix_end(PREFIX), FULL)
+    mirror._ranges[rng.name] = rng
+    created = {key: 1 for key in KEYS}
+    with mirror.cond:
+        mirror._apply_reads([rng], (10, [read({KEYS[0]: b"new"}, 10, created)]), fresh=True)
+        mirror._apply_reads([rng], (5, [read({KEYS[1]: b"late"}, 5, created)]))
+        assert {k: e.value for k, e in mirror.items().items()} == {KEYS[0]: b"new"}
+        mirror._apply_reads([rng], (5, [read({KEYS[1]: b"restored"}, 5, created)]), fresh=True)
+        assert {k: e.value for k, e in mirror.items().items()} == {KEYS[1]: b"restored"}
+        mirror._apply_reads([rng], (6, [read({KEYS[2]: b"after"}, 6, created)]))  # newer than the restored copy
+        assert {k: e.value for k, e in mirror.items().items()} == {KEYS[2]: b"after"}

@@ -175,12 +175,13 @@ class Mirror:
         self._purge(forged)
         return True
 
-    def _apply_read(self, rng: Range, revision: int, kvs: list[Any]) -> list[tuple[bytes, bytes]]:
-        """Take a fresh read of ``rng`` at ``revision`` (``cond`` held); the forged values it holds.
+    def _apply_read(self, rng: Range, revision: int, kvs: list[Any], fresh: bool) -> list[tuple[bytes, bytes]]:
+        """Take a read of ``rng`` at ``revision`` (``cond`` held); the forged values it holds.
 
-        A read older than what the range reflects (a newer read, or events, came first) is stale, and is dropped.
+        Unless it is a rebuild's ``fresh`` first read (taken as it is, even from an etcd restored to an older
+        revision), a read older than what the range reflects (a newer read, or events, came first) is dropped.
         """
-        if revision < rng.revision:
+        if not fresh and revision < rng.revision:
             return []
         forged = [(kv.key, kv.value) for kv in kvs if rng.kind != DELETES and self._forgery(kv.key, kv.value)]
         refused = {key for key, _ in forged}
@@ -188,7 +189,7 @@ class Mirror:
         if rng.kind == FULL:
             self._forget(rng)
             self._entries.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kept})
-        rng.take_read(revision, kept)
+        rng.take_read(revision, kept, fresh)
         self._revision = max(self._revision, revision)
         self.deletions += 1
         return forged
@@ -218,7 +219,7 @@ class Mirror:
         with self.cond:
             if self._stopped or generation != self._generation:
                 return
-            forged = self._apply_reads(ranges, read)
+            forged = self._apply_reads(ranges, read, fresh=True)
             ranges = [r for r in ranges if self._ranges.get(r.name) is r]
         stream = self._client.open_watch_stream(
             [(r, self._spec(r)) for r in ranges],
@@ -284,7 +285,9 @@ class Mirror:
             self._on_response(generation, rng, response)
         return forged
 
-    def _apply_reads(self, ranges: list[Range], read: tuple[int, list[list[Any]]]) -> list[tuple[bytes, bytes]]:
+    def _apply_reads(
+        self, ranges: list[Range], read: tuple[int, list[list[Any]]], fresh: bool = False
+    ) -> list[tuple[bytes, bytes]]:
         """Take one read of ``ranges`` at one revision, those still watched (``cond`` held); the forged values."""
         revision, reads = read
         forged: list[tuple[bytes, bytes]] = []
@@ -292,7 +295,7 @@ class Mirror:
             return forged
         for rng, kvs in zip(ranges, reads, strict=True):
             if self._ranges.get(rng.name) is rng and not rng.done:
-                forged += self._apply_read(rng, revision, kvs)
+                forged += self._apply_read(rng, revision, kvs, fresh)
         self.cond.notify_all()
         self.major_cond.notify_all()
         return forged

@@ -63,13 +63,15 @@ class Range:
             self.key, self.end, keys_only=self.kind == DELETES, limit=_LATER_LIMIT if self.kind == PUTS else 0
         )
 
-    def take_read(self, revision: int, kvs: list[Any]) -> None:
-        """A fresh read at ``revision`` (forged values left out); a FULL range's keys are the mirror's to keep."""
+    def take_read(self, revision: int, kvs: list[Any], fresh: bool) -> None:
+        """A read at ``revision`` (forged values left out; a rebuild's first is ``fresh``: what the range reflects
+        from now on, even if etcd came back older); a FULL range's keys are the mirror's to keep."""
         if self.kind == DELETES:
             self.present, self.deleted = {kv.key for kv in kvs}, set()
         elif self.kind == PUTS:
             self.put.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs})
-        self.start, self.revision, self.read_at = revision + 1, max(self.revision, revision), revision
+        self.start, self.read_at = revision + 1, revision
+        self.revision = revision if fresh else max(self.revision, revision)
 
     def take_event(self, kv: Any, deleted: bool) -> bool:
         """One event (not forged) of a DELETES or PUTS range; whether it changed the range's answer."""
