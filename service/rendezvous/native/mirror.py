@@ -344,7 +344,7 @@ class Mirror:
             for event in response.events:
                 deleted = event.type == _DELETE
                 kv = event.kv
-                if kv.mod_revision <= rng.read_at:  # the range's latest read holds it already
+                if kv.mod_revision < rng.start:  # the range's latest read holds it already
                     continue
                 refused = not deleted and self._forgery(kv.key, kv.value) is not None
                 if refused:

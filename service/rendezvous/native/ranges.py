@@ -39,13 +39,12 @@ class Range:
     key: bytes
     end: bytes | None
     kind: str  # FULL, DELETES or PUTS
-    start: int = 0  # the revision its watch starts from (0: read it first)
+    start: int = 0  # the first revision its copy lacks: a watch starts there, older events are in it (0: read it first)
     until: Callable[[Range], bool] | None = None  # stop watching once this holds
     deleted: set[bytes] = field(default_factory=set)  # DELETES: keys deleted since it began
     present: set[bytes] | None = None  # DELETES: the keys of its last re-read, less those deleted since
     put: dict[bytes, Entry] = field(default_factory=dict)  # PUTS: keys written since it began
     revision: int = 0  # the newest revision its copy reflects
-    read_at: int = 0  # the revision of its latest read: events up to it are in the copy already
     done: bool = False  # ``until`` held: its watch is cancelled
 
     def covers(self, key: bytes) -> bool:
@@ -70,7 +69,7 @@ class Range:
             self.present, self.deleted = {kv.key for kv in kvs}, set()
         elif self.kind == PUTS:
             self.put.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs})
-        self.start, self.read_at = revision + 1, revision
+        self.start = revision + 1
         self.revision = revision if fresh else max(self.revision, revision)
 
     def take_event(self, kv: Any, deleted: bool) -> bool:
