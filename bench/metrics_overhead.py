@@ -25,11 +25,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -40,25 +37,12 @@ TRAIN_SIZE = 512
 
 def worker(epochs: int, batch: int, scrape_every: float, out: Path, ledger: bool = False) -> None:
     """Runs under torchrun: two jobs in the same processes and process group, metrics off and on, alternating
-    epoch by epoch. Writes rank 0's seconds per step of each epoch of each job."""
-    from service.config import load_config
-    from service.loop.runtime import Runtime
-    from service.state.preemption import Preemption
-    from service.world.distributed import distributed
-    from service.world.env import detect_world
+    epoch by epoch (``paired``). Writes rank 0's seconds per step of each epoch of each job."""
+    from paired import runtimes
 
-    world = detect_world(os.environ)
-    with tempfile.TemporaryDirectory() as tmp:
-        configs = {mode: load_config(None, [*_overrides(mode, batch, epochs, ledger), f"run_dir={tmp}/{mode}"])
-                   for mode in ("off", "on")}  # fmt: skip
-        with distributed(world, configs["off"].dist.backend, configs["off"].dist.timeout_seconds) as ctx:
-            runtimes = {mode: Runtime(config, world, ctx, Preemption()) for mode, config in configs.items()}
-            try:
-                times = _time_epochs(runtimes, epochs, scrape_every)
-            finally:  # the models go before the process group
-                for runtime in runtimes.values():
-                    runtime.close()
-    if world.rank == 0:
+    with runtimes({mode: _overrides(mode, batch, epochs, ledger) for mode in ("off", "on")}) as opened:
+        times = _time_epochs(opened, epochs, scrape_every)
+    if int(os.environ["RANK"]) == 0:
         out.write_text(json.dumps(times))
 
 
@@ -75,16 +59,11 @@ def _overrides(mode: str, batch: int, epochs: int, ledger: bool = False) -> list
 
 
 def _time_epochs(runtimes: dict, epochs: int, scrape_every: float) -> dict[str, list[float]]:
-    """Seconds per step of each epoch of each job, each epoch the task loop's own steps (``overhead.task_epoch``)."""
-    import torch.distributed as dist
-    from overhead import task_epoch  # this directory's: the task loop's epoch, shared with bench/overhead.py
+    """Seconds per step of each epoch of each job (``paired.alternate``), a thread scraping the metrics meanwhile."""
+    from paired import alternate
 
-    from service.loop.stepping import Hooks
-    from service.loop.train import build_job
     from service.telemetry.metrics import PrometheusSink
 
-    jobs = {mode: build_job(runtime) for mode, runtime in runtimes.items()}
-    hooks = {mode: Hooks(stepped=job.nonfinite.check, epoch_start=job.model.train) for mode, job in jobs.items()}
     ports = [sink.port for sink in runtimes["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
     if [sink for sink in runtimes["off"].roles.sink.sinks if isinstance(sink, PrometheusSink)]:
         raise SystemExit("The job with metrics off serves Prometheus metrics: the comparison would be void.")
@@ -99,32 +78,21 @@ def _time_epochs(runtimes: dict, epochs: int, scrape_every: float) -> dict[str, 
 
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
-    times: dict[str, list[float]] = {mode: [] for mode in jobs}
-    for epoch in range(epochs):
-        for mode in ("off", "on") if epoch % 2 == 0 else ("on", "off"):
-            dist.barrier()
-            start = time.perf_counter()
-            count = task_epoch(runtimes[mode], jobs[mode], hooks[mode])
-            times[mode].append((time.perf_counter() - start) / max(count, 1))
+    timed = alternate(runtimes, epochs)
     stop.set()
     scraper.join()
     if runtimes["on"].world.rank == 0:
         print(f"scraped {scrapes[0]} times", file=sys.stderr)
-    return times
+    return {mode: [e["seconds"] / max(e["steps"], 1) for e in rows] for mode, rows in timed.items()}
 
 
 def run(epochs: int, batch: int, scrape_every: float, ledger: bool = False) -> dict[str, list[float]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--worker", "--epochs", str(epochs), "--batch", str(batch), "--scrape-every", str(scrape_every),
-               "--out", str(out), *(["--ledger"] if ledger else [])]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"The benchmark run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        times = json.loads(out.read_text())
-        return {mode: values[1:] for mode, values in times.items()}  # the first epoch warms up
+    from paired import launch
+
+    args = ["--epochs", str(epochs), "--batch", str(batch), "--scrape-every", str(scrape_every),
+            *(["--ledger"] if ledger else [])]  # fmt: skip
+    times = launch(__file__, 2, args)
+    return {mode: values[1:] for mode, values in times.items()}  # the first epoch warms up
 
 
 def main() -> None:

@@ -61,7 +61,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -220,6 +219,7 @@ def interleave(epoch: int, bare: Bare, own: Callable[[], Epoch]) -> list[Epoch]:
 def service(setup: Setup) -> list[Epoch]:
     """The service's task loop, built exactly as ``ddp-service train`` builds it (a Runtime, the task's job)."""
     import torch.distributed as dist
+    from paired import task_epoch
 
     from service.config import load_config
     from service.loop.runtime import Runtime
@@ -248,21 +248,6 @@ def service(setup: Setup) -> list[Epoch]:
                 rows += interleave(epoch, bare, own)
             bare.close()
     return rows
-
-
-def task_epoch(runtime, job, hooks, body=contextlib.nullcontext):  # noqa: ANN001, ANN201 - service objects
-    """One epoch of the task loop's steps, as ``ddp-service train`` runs them (``body`` wraps each step's body);
-    returns the steps run."""
-    from service.loop.stepping import steps
-    from service.loop.train import optimizer_step
-
-    count = 0
-    for fed in steps(runtime, job.feed, hooks, one_epoch=True):
-        with body():
-            loss = optimizer_step(job, fed.plan, fed.batches, runtime.state.global_step + 1)
-        runtime.log({"loss": loss})
-        count += 1
-    return count
 
 
 def session(setup: Setup) -> list[Epoch]:
@@ -300,18 +285,12 @@ def session(setup: Setup) -> list[Epoch]:
 
 def run(mode: str, args: argparse.Namespace) -> list[Epoch]:
     """Rank 0's timed epochs of one job (the first pair left out: it warms up allocators and threads)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
-               __file__, "--worker", mode, "--epochs", str(args.epochs), "--batch", str(args.batch),
-               "--task", args.task, "--grad-clip", str(args.grad_clip), "--train-size", str(args.train_size),
-               "--out", str(out),
-               *(item for override in args.set for item in ("--set", override))]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"The {mode} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        return json.loads(out.read_text())[2:]
+    from paired import launch
+
+    worker_args = [mode, "--epochs", str(args.epochs), "--batch", str(args.batch), "--task", args.task,
+                   "--grad-clip", str(args.grad_clip), "--train-size", str(args.train_size),
+                   *(item for override in args.set for item in ("--set", override))]  # fmt: skip
+    return launch(__file__, args.world, worker_args, f"{mode} run")[2:]
 
 
 def clip_value(text: str) -> float | None:

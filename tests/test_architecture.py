@@ -6,6 +6,7 @@ Every import counts: module level, function-local, and those under ``if TYPE_CHE
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parent.parent / "service"
@@ -169,18 +170,30 @@ def missing_names(path: Path, roots: tuple[str, ...] = ("service",)) -> list[str
     return missing
 
 
-def test_benches_examples_and_tests_import_only_names_that_still_exist(tmp_path: Path) -> None:
+def test_benches_examples_and_tests_import_only_names_that_still_exist(tmp_path: Path, monkeypatch) -> None:
     """Imports inside functions run only when the function does: a refactor once left bench/metrics_overhead.py
     (which no test runs) importing two names the task loop had dropped, and a test's helper moved from one test
-    module to another failed only in the one e2e test that imported it where it ran."""
+    module to another failed only in the one e2e test that imported it where it ran. Benches import each other's
+    helpers too (``paired``, ``snapshot``'s MLP): those names are checked as well."""
     repo, tests = SERVICE.parent, Path(__file__).resolve().parent
     scripts = sorted([*(repo / "bench").glob("*.py"), *(repo / "examples").rglob("*.py")])
     own = tuple(sorted({path.stem for path in tests.glob("*.py")} | {"rendezvous"}))
-    assert len(scripts) > 10 and "test_prometheus_e2e" in own
-    assert [name for path in scripts for name in missing_names(path)] == []
+    benches = tuple(sorted(path.stem for path in (repo / "bench").glob("*.py") if path.stem not in own))
+    assert len(scripts) > 10 and "test_prometheus_e2e" in own and "paired" in benches
     assert [name for path in sorted(tests.rglob("*.py")) for name in missing_names(path, ("service", *own))] == []
+    monkeypatch.syspath_prepend(str(repo / "bench"))  # where a bench's own imports find each other
+    loaded = set(sys.modules)
+    try:
+        assert [name for path in scripts for name in missing_names(path, ("service", *benches))] == []
+    finally:  # the benches' modules (snapshot, paired, ...) leave with the bench path
+        for name in set(sys.modules) - loaded:
+            if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(repo / "bench")):
+                del sys.modules[name]
     stale = tmp_path / "stale.py"
     stale.write_text("def worker():\n    from service.loop.train import _Window, build_job\n"
                      "    from test_prometheus_e2e import Prometheus, free_base_port\n")  # fmt: skip
     assert missing_names(stale, ("service", *own)) == ["stale.py:2 service.loop.train._Window",
                                                        "stale.py:3 test_prometheus_e2e.free_base_port"]  # fmt: skip
+    stale_bench = tmp_path / "stale_bench.py"  # bench/overhead.py's task_epoch moved to bench/paired.py
+    stale_bench.write_text("def run():\n    from overhead import task_epoch\n    from paired import task_epoch\n")
+    assert missing_names(stale_bench, ("service", *benches)) == ["stale_bench.py:2 overhead.task_epoch"]
