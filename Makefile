@@ -76,12 +76,13 @@ TEST_WORKERS ?= 2
 test: install-test
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
-## bench: the loop-overhead, metrics-overhead, rendezvous, lease keep-alive and checkpoint benchmarks (not tests;
-## they print ratios).
+## bench: the loop-overhead, metrics-overhead, snapshot-overhead, rendezvous, lease keep-alive and checkpoint
+## benchmarks (not tests; they print ratios).
 bench: install-test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/overhead.py
 	$(PY) bench/metrics_overhead.py
+	$(PY) bench/snapshot_overhead.py
 	$(PY) bench/rendezvous.py
 	$(PY) bench/keepalive.py
 	$(PY) bench/checkpoint.py

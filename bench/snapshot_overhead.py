@@ -24,7 +24,7 @@ Both are printed, with their spread.
 Per arm: ms per step of off and on over the timed epochs, the ratio off / on (target >= 0.98) with twice the
 standard error of the pairs' ratios, their median and range, the interval used, the snapshots taken in the timed
 epochs and one snapshot's cost; for auto also its own measure (its log line's figures). About 6 minutes a world
-size with the defaults; run it alone. Exit 1 when auto's ratio is below the target.
+size with the defaults; run it alone.
 
     python bench/snapshot_overhead.py [--world 1,2] [--on 8,auto] [--control] [--epochs 60] [--train-size 256]
 """
@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's service, not an installed one
 
 TARGET_RATIO = 0.98  # issue #26: snapshots on (the default) against off
+FEWEST = 5  # snapshots in an arm's timed epochs to tell what one costs
 
 
 def _overrides(every: str, epochs: int, train_size: int, shm: str) -> list[str]:
@@ -99,8 +100,8 @@ def report(world: int, on: str, result: dict) -> dict:
     steps, taken = sum(e["steps"] for e in on_[warm:]), written[-1] - written[warm - 1]
     # one snapshot's cost: the on arm's extra time over its timed steps, per snapshot in them; its spread follows
     # from the ratio's (an error of d in off/on is an error of about d x on_step in on's time per step)
-    cost = (on_step - off_step) * steps / taken if taken else None
-    cost_spread = spread * on_step * steps / taken if taken else None
+    cost = (on_step - off_step) * steps / taken if taken >= FEWEST else None  # fewer: the pairs' noise, not a cost
+    cost_spread = spread * on_step * steps / taken if taken >= FEWEST else None
     each = f"{cost * 1e3:.0f} ± {cost_spread * 1e3:.0f}" if cost is not None and cost_spread is not None else "-"
     print(f"{world:>5} {on:<6}{off_step * 1e3:>8.1f}{on_step * 1e3:>8.1f}{off_step / on_step:>8.3f}{spread:>8.3f}"
           f"{statistics.median(pairs):>8.3f}{min(pairs):>7.3f}-{max(pairs):.3f}{len(pairs):>5}{result['every']:>7}"
@@ -116,18 +117,17 @@ def verdict(low: float, high: float) -> str:
     return "met" if low >= TARGET_RATIO else "not shown" if high >= TARGET_RATIO else "missed"
 
 
-def conclude(world: int, rows: dict[str, dict]) -> bool:
-    """``auto``'s ratio at one world size, measured, and implied by a fixed arm's cost of one snapshot; whether the
-    target is met."""
+def conclude(world: int, rows: dict[str, dict]) -> None:
+    """Print ``auto``'s ratio at one world size, measured, and implied by a fixed arm's cost of one snapshot."""
     auto = rows.get("auto")
     if auto is None:
-        return all(row["ratio"] >= TARGET_RATIO for row in rows.values())
+        return
     ratio, spread = auto["ratio"], auto["spread"]
     print(f"      world {world}: auto against off, measured: {ratio:.3f} ± {spread:.3f}, the {TARGET_RATIO} target "
           f"is {verdict(ratio - spread, ratio + spread)}")  # fmt: skip
     fixed = [row for on, row in rows.items() if on != "auto" and row["cost"] is not None]
     if not fixed or not auto["every"]:
-        return ratio >= TARGET_RATIO
+        return
     cost, cost_spread = fixed[0]["cost"], fixed[0]["cost_spread"]
 
     def implied(snapshot: float) -> float:  # off / on with one snapshot of this cost every `every` steps
@@ -137,10 +137,9 @@ def conclude(world: int, rows: dict[str, dict]) -> bool:
     print(f"      world {world}: auto against off, implied by one snapshot's cost ({cost * 1e3:.0f} ± "
           f"{cost_spread * 1e3:.0f} ms, every {auto['every']} steps of {auto['off_step'] * 1e3:.0f} ms): {mid:.4f} "
           f"({low:.4f}-{high:.4f}), the {TARGET_RATIO} target is {verdict(low, high)}")  # fmt: skip
-    return low >= TARGET_RATIO
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", default="1,2", help="process counts, each its own torchrun job")
     parser.add_argument("--on", default="8,auto", help="checkpoint.snapshot_every of the on arms: numbers and auto")
@@ -152,7 +151,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(args.epochs, args.train_size, args.on, args.out)
-        return 0
+        return
     from paired import launch
 
     arms = [*args.on.split(","), *(["0"] if args.control else [])]
@@ -167,16 +166,13 @@ def main() -> int:
           f"against snapshot_every=0, {args.epochs} epochs of each in turn, in the same processes")  # fmt: skip
     print(f"{'world':>5} {'on':<6}{'off ms':>8}{'on ms':>8}{'ratio':>8}{'± 2 se':>8}{'pairs':>8}{'range':>13}"
           f"{'n':>5}{'every':>7}{'snapshots timed':>17}{'ms/snapshot':>12}")  # fmt: skip
-    met = True
     for world in worlds:
-        rows = {on: report(world, on, results[world, on]) for on in arms}
-        met = conclude(world, rows) and met
+        conclude(world, {on: report(world, on, results[world, on]) for on in arms})
     print(
         "ratio: off / on time per step over the timed epochs (>= 0.98: issue #26); ± 2 se: twice the standard error"
         " of the pairs' ratios; ms/snapshot: one snapshot's cost to the steps, its write waited for in full"
     )
-    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
