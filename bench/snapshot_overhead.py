@@ -102,9 +102,10 @@ def report(world: int, on: str, result: dict) -> dict:
     steps, taken = sum(e["steps"] for e in on_[warm:]), written[-1] - written[warm - 1]
     # one snapshot's cost: the on arm's extra time over its timed steps, per snapshot in them; its spread follows
     # from the ratio's (an error of d in off/on is an error of about d x on_step in on's time per step)
-    cost = (on_step - off_step) * steps / taken if taken >= FEWEST else None  # fewer: the pairs' noise, not a cost
-    cost_spread = spread * on_step * steps / taken if taken >= FEWEST else None
-    each = f"{cost * 1e3:.0f} ± {cost_spread * 1e3:.0f}" if cost is not None and cost_spread is not None else "-"
+    cost = cost_spread = None  # fewer than FEWEST snapshots: the pairs' noise, not a cost
+    if taken >= FEWEST:
+        cost, cost_spread = (on_step - off_step) * steps / taken, spread * on_step * steps / taken
+    each = f"{cost * 1e3:.0f} ± {cost_spread * 1e3:.0f}" if cost is not None else "-"
     print(f"{world:>5} {on:<6}{off_step * 1e3:>8.1f}{on_step * 1e3:>8.1f}{off_step / on_step:>8.3f}{spread:>8.3f}"
           f"{statistics.median(pairs):>8.3f}{min(pairs):>7.3f}-{max(pairs):.3f}{len(pairs):>5}{result['every']:>7}"
           f"{taken:>6} in {steps:<5}{each:>12}")  # fmt: skip
@@ -172,7 +173,8 @@ def main() -> None:
         conclude(world, {on: report(world, on, results[world, on]) for on in arms})
     print(
         "ratio: off / on time per step over the timed epochs (>= 0.98: issue #26); ± 2 se: twice the standard error"
-        " of the pairs' ratios; ms/snapshot: one snapshot's cost to the steps, its write waited for in full"
+        " of the pairs' ratios; ms/snapshot: one snapshot's cost to the steps (its write waited for in full when it"
+        " falls on an epoch's last step)"
     )
 
 
