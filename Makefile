@@ -8,7 +8,14 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?= --durations=60
 
-.PHONY: install install-test prometheus slurm demo test lint bench gpu-check monitor clean
+.PHONY: help install install-test prometheus slurm demo test test-quick lint bench gpu-check monitor clean
+.DEFAULT_GOAL := help
+
+## help: this list: each target and its `##` lines (a bare `make` prints it too).
+help:
+	@awk '/^## [a-z-]+:/ { sub(/^## /, ""); name = substr($$0, 1, index($$0, ":") - 1); \
+	        printf "  %-13s%s\n", name, substr($$0, length(name) + 3); more = 1; next } \
+	      /^## / && more { printf "  %-13s%s\n", "", substr($$0, 4); next } { more = 0 }' $(firstword $(MAKEFILE_LIST))
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,15 +42,18 @@ define apt_install
 	  fi; }
 endef
 
-# Prometheus and promtool for the monitoring tests and `make monitor`.
+## prometheus: Prometheus and promtool (Debian packages) for the monitoring tests and `make monitor`.
 prometheus:
 	$(call apt_install,promtool prometheus,prometheus,the monitoring tests)
 
-# Slurm and munge for tests/test_slurm.py, which starts its own two-node cluster on this machine.
+## slurm: Slurm and munge (Debian packages) for tests/test_slurm.py, which starts its own two-node cluster
+## on this machine.
 slurm:
 	$(call apt_install,slurmctld slurmd munged,slurm-wlm munge,the Slurm tests)
 
+## install: the venv (.venv) with torch (TORCH_VERSION, a CPU build, when the venv has none) and this package.
 install: $(VENV)/.installed
+## install-test: install, the test dependencies, Prometheus and Slurm.
 install-test: $(VENV)/.installed-test prometheus slurm
 
 ## demo: a 2-process CPU job of shapes-segmentation on the embedded defaults, through `ddp-service launch`
@@ -74,7 +84,14 @@ lint: install-test
 ## TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: install-test
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+## test-quick: the unit and property tests alone (-m "not e2e"): no test starts a process (tests/conftest.py
+## fails one that does without the e2e marker), so no torchrun, etcd, Slurm, Prometheus or tools; about a
+## minute on 2 cores (docs/development.md). Needs only the Python test dependencies.
+test-quick: $(VENV)/.installed-test
+	$(PY) -m pytest -m "not e2e" $(XDIST) $(PYTEST_ARGS)
 
 ## bench: the loop-overhead, metrics-overhead, snapshot-overhead, rendezvous, lease keep-alive and checkpoint
 ## benchmarks (not tests; they print ratios).
@@ -94,5 +111,6 @@ GPU_CHECK_ARGS ?=
 gpu-check: install-test
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
+## clean: remove the venv, runs/ and the build leftovers.
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import multiprocessing.process
 import os
+import posix
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,6 +74,59 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         weight[path(item)] = weight.get(path(item), 0) + (item.get_closest_marker("e2e") is not None)
     order = {name: index for index, name in enumerate(dict.fromkeys(path(item) for item in items))}
     items.sort(key=lambda item: (-weight[path(item)], order[path(item)]))
+
+
+class ProcessStartRefused(RuntimeError):
+    """A test without the ``e2e`` marker tried to start a process."""
+
+
+def _refused(original: Callable[..., object], what: str) -> Callable[..., object]:
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise ProcessStartRefused(
+            f"This test starts a process ({what}) but has no e2e marker: mark it @pytest.mark.e2e (or its module: "
+            'pytestmark = pytest.mark.e2e), so that the quick tier (make test-quick, -m "not e2e") leaves it out.'
+        )
+
+    # Pickled by the original's name (a test pickles os.system as a payload it must never run).
+    refuse.__module__, refuse.__qualname__ = original.__module__, original.__qualname__
+    return refuse
+
+
+# Every way a test starts a process: subprocess (run, check_output, asyncio's subprocesses), multiprocessing's
+# and torch's processes (DataLoader workers, spawn), and the os calls beneath them (os's names are posix's).
+_PROCESS_STARTS = [
+    ((subprocess.Popen,), "_execute_child", "subprocess.Popen"),
+    ((multiprocessing.process.BaseProcess,), "start", "multiprocessing.Process.start"),
+    *(((os, posix), name, f"os.{name}") for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")),
+]
+
+
+@contextmanager
+def processes_refused() -> Iterator[None]:
+    """While inside, every process start raises ProcessStartRefused naming the e2e marker."""
+    saved = [(owners, name, getattr(owners[0], name)) for owners, name, _ in _PROCESS_STARTS]
+    try:
+        for (owners, name, what), (_, _, original) in zip(_PROCESS_STARTS, saved, strict=True):
+            refuse = _refused(original, what)
+            for owner in owners:
+                setattr(owner, name, refuse)
+        yield
+    finally:
+        for owners, name, original in saved:
+            for owner in owners:
+                setattr(owner, name, original)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test without the e2e marker may start no process (nor may its fixtures), in every run: the quick tier
+    (``-m "not e2e"``) then holds only in-process tests, and a test that starts one unmarked fails, naming the
+    marker."""
+    if item.get_closest_marker("e2e") is not None:
+        yield
+        return
+    with processes_refused():
+        yield
 
 
 def require_tool(name: str, why: str = "`make test` installs the test dependencies.") -> str:
@@ -158,10 +215,10 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         target = tmp_path / f"fs{len(mounted)}"
         target.mkdir()
         options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                              capture_output=True, text=True)  # fmt: skip
-        if done.returncode != 0:
-            message = f"cannot mount a tmpfs at {target}: {done.stderr.strip()}"
+        try:
+            _mount(b"tmpfs", target, b"tmpfs", 0, options)
+        except OSError as error:
+            message = f"cannot mount a tmpfs at {target}: {error}"
             if IN_CI:
                 pytest.fail(message)
             pytest.skip(message)
@@ -172,8 +229,35 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         yield mount
     finally:
         for target in reversed(mounted):
-            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(target)], capture_output=True)
+            try:
+                _umount(target, 0)
+            except OSError:
+                _umount(target, _MNT_DETACH)
+
+
+# mount(2) and umount2(2) called in this process (no mount(8) process: the disk-full tests stay in the quick tier).
+_MS_RDONLY, _MS_REMOUNT, _MNT_DETACH = 1, 32, 2
+
+
+def _libc_call(name: str, *args: object) -> None:
+    function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    if function(*args) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"{name}: {os.strerror(number)}")
+
+
+def _mount(source: bytes | None, target: Path, kind: bytes | None, flags: int, options: str | None) -> None:
+    data = options.encode() if options is not None else None
+    _libc_call("mount", source, os.fsencode(target), kind, ctypes.c_ulong(flags), data)
+
+
+def _umount(target: Path, flags: int) -> None:
+    _libc_call("umount2", os.fsencode(target), flags)
+
+
+def remount_read_only(target: Path) -> None:
+    """``mount -o remount,ro TARGET``, in this process."""
+    _mount(None, target, None, _MS_REMOUNT | _MS_RDONLY, None)
 
 
 def fill(root: Path, leave: int) -> None:

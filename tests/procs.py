@@ -85,3 +85,16 @@ def fork_server_workers(agent_pid: int) -> tuple[int, list[int]]:
         if b"multiprocessing.forkserver" in cmdline:
             return child, sorted(children.get(child, []))
     return 0, []
+
+
+def dead_pid() -> int:
+    """A process id that no process holds: the highest one free below the kernel's pid_max (found in /proc, no
+    process started; the kernel hands pids out upwards from the last one and wraps long before it)."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(pid_max - 1, 300, -1):
+        if not Path(f"/proc/{pid}").exists():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return pid
+    raise RuntimeError("no free process id below pid_max")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, child_env
+from conftest import QUICK, REPO, child_env, remount_read_only
 
 from service.cli import main
 from service.config import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_VALUES
@@ -110,7 +110,7 @@ def yaml_file(tmp_path: Path, text: str) -> str:
 
 def read_only_dir(tmp_path: Path, request) -> Path:
     root = request.getfixturevalue("small_fs")()
-    subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+    remount_read_only(root)
     return root
 
 
@@ -221,7 +221,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("provoke", "code", "needles"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+# The cases that run a real `python -m service train` (a process): e2e.
+PROCESS_CASES = {"task-raises-at-import", "task-exits-at-import", "task-build-raises", "task-build-exits",
+                 "run-dir-is-a-file", "run-dir-read-only"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("provoke", "code", "needles"),
+    [pytest.param(*case[1:], id=case[0], marks=[pytest.mark.e2e] * (case[0] in PROCESS_CASES)) for case in CASES],
+)
 def test_bad_input_is_refused_before_training_naming_value_and_fix(provoke, code, needles, capsys, tmp_path, request):
     run_dir = tmp_path / "run"
     started = time.monotonic()
@@ -269,6 +277,7 @@ UNBOUNDED = [  # (id, file text or None, arguments after the file, substrings of
 ]  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("text", "args", "needles"), [c[1:] for c in UNBOUNDED], ids=[c[0] for c in UNBOUNDED])
 def test_unbounded_config_is_refused_fast_with_bounded_memory(tmp_path, text, args, needles):
     """Issue 15: nine levels of aliases used gigabytes; 4,000 levels gave a RecursionError (exit 1, not 2)."""
@@ -285,6 +294,7 @@ def test_unbounded_config_is_refused_fast_with_bounded_memory(tmp_path, text, ar
     assert done.peak_rss < 200 * 2**20, done.peak_rss  # about 35 MiB; the old code passed 2 GiB
 
 
+@pytest.mark.e2e
 def test_non_finite_float_is_refused_by_train_before_any_work(tmp_path):
     """The real entrypoint, train as well as validate: exit 2 and the key, the value and the fix."""
     job = yaml_file(tmp_path, "train:\n  grad_clip: 1e400\n  momentum: Infinity\n")
@@ -297,6 +307,7 @@ def test_non_finite_float_is_refused_by_train_before_any_work(tmp_path):
         assert "write a plain number such as 0.05" in done.output and not run_dir.exists()
 
 
+@pytest.mark.e2e
 def test_resume_skips_a_planted_fifo_and_falls_back_to_the_previous_checkpoint(tmp_path):
     """Issue 15: a FIFO at the newest step's .pt, beside its valid manifest, hung the resume (SIGTERM only set the
     preemption flag). Two real ``train`` runs; the second would hang without the fix, and train()'s timeout

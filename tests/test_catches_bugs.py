@@ -192,6 +192,7 @@ def _state(step: int) -> dict:
             "loop": {"global_step": step}, "rng": {}, "config": {}}  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_a_save_killed_mid_write_leaves_no_final_name(tmp_path: Path) -> None:
     """SIGKILL during torch.save: the step's final name never appears; the previous checkpoint stays the newest."""
     from service.state.checkpoint_io import load_state, scan, write_checkpoint

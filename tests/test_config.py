@@ -101,6 +101,7 @@ def test_missing_file():
         load_config("/nonexistent/job.yaml")
 
 
+@pytest.mark.e2e
 def test_validate_command_prints_resolved_config(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("seed: 3\n")
@@ -110,6 +111,7 @@ def test_validate_command_prints_resolved_config(tmp_path):
     assert resolved["seed"] == 3 and resolved["train"]["epochs"] == 5 and resolved["checkpoint"]["keep"] == 3
 
 
+@pytest.mark.e2e
 def test_validate_command_fails_on_errors(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("train: {batch_size: -2}\nnope: 1\n")

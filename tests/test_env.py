@@ -109,6 +109,7 @@ def test_expand_hostlist(nodelist, hosts):
     assert expand_hostlist(nodelist) == hosts
 
 
+@pytest.mark.e2e
 def test_env_command_prints_detected_world_as_json():
     out = subprocess.run([sys.executable, "-m", "service", "env"], cwd=REPO, env=child_env(**SRUN),
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
@@ -117,6 +118,7 @@ def test_env_command_prints_detected_world_as_json():
     assert data["scheduler"] == "slurm"
 
 
+@pytest.mark.e2e
 def test_env_command_reports_bad_value():
     proc = subprocess.run([sys.executable, "-m", "service", "env"], cwd=REPO,
                           env=child_env(**{**SRUN, "SLURM_PROCID": "9"}), capture_output=True, text=True)  # fmt: skip

@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.e2e
 def test_gpu_check_without_a_device_prints_one_table_of_skips_fast(tmp_path):
     started = time.monotonic()
     cmd = [sys.executable, "bench/gpu_check.py", "--log-dir", str(tmp_path)]
@@ -45,6 +46,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.e2e
 def test_gpu_check_a_raising_or_hanging_row_fails_alone_and_its_process_tree_is_killed(tmp_path, monkeypatch, capsys):
     pid_file = tmp_path / "grandchild.pid"
     hang = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
@@ -75,6 +77,7 @@ def test_gpu_check_a_raising_or_hanging_row_fails_alone_and_its_process_tree_is_
     assert (tmp_path / "hang.log").read_text().endswith("[exit None]\n")
 
 
+@pytest.mark.e2e
 def test_gpu_check_rows_after_the_budget_say_so(tmp_path, monkeypatch, capsys):
     def slow(check: gpu_check.Check) -> tuple[str, str]:
         code, output = check.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=60)

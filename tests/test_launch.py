@@ -466,6 +466,7 @@ def test_sigterm_while_a_resuming_worker_starts_up_ends_preempted_at_the_resumed
     assert "[rank 0] INFO step 4/" not in watcher.text()
 
 
+@pytest.mark.e2e
 def test_launch_help_leads_with_launchs_own_usage_then_torchruns_options():
     """Issue 17: `launch --help` printed torchrun's help (its training_script positional) under launch's name."""
     done = subprocess.run([sys.executable, "-m", "service", "launch", "--nnodes=2", "--help"], cwd=REPO,

@@ -133,6 +133,7 @@ def test_histograms_span_1ms_to_60s(sink):
         assert bounds == [*(str(float(b)) for b in BUCKETS), "+Inf"], (name, bounds)
 
 
+@pytest.mark.e2e
 def test_calls_update_the_registry(sink):
     get = sink.registry.get_sample_value
     sink.on_step(8, 0.2, 0.05)

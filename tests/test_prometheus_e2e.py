@@ -141,6 +141,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 # -- fast: the files themselves ------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_rules_pass_promtool_check_and_unit_tests():
     promtool = require_tool("promtool", WHY)
     check = subprocess.run([promtool, "check", "rules", str(MONITORING / "rules.yml")],

@@ -174,7 +174,7 @@ def test_plan_sampler_yields_the_plan_from_the_position(length, global_batch, wo
     assert [batch[0].tolist() for batch in loader] == expected
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.e2e)])  # 2: loader processes
 def test_the_feed_gives_each_step_the_plan_of_the_batches_it_fetched(workers):
     """The sampler hands each step's plan to the feed as the loader reads its indices (ahead, with workers): every
     step the feed yields holds the plan of exactly its own batches, epoch after epoch, from a cursor, and after a
@@ -314,6 +314,7 @@ def crash_before_rename(directory: Path) -> None:
     assert done.returncode == 9, done.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_crash_before_rename_leaves_previous_checkpoint(two_checkpoints, caplog):
     crash_before_rename(two_checkpoints)
     leftovers = sorted(two_checkpoints.glob(".step-00000003.*.tmp"))
@@ -380,6 +381,7 @@ def _sparse_terabyte(path: Path) -> None:
     os.truncate(path, 2**40)  # no disk used; reading it in full asks for 1 TiB of memory
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("plant", "name", "reason"),
     [
@@ -453,6 +455,7 @@ def test_prune_waits_for_enough_complete_checkpoints(tmp_path):
     assert files(directory) == [manifest_name(1), state_name(1), state_name(2)]
 
 
+@pytest.mark.e2e
 def test_prune_removes_leftovers_of_a_crashed_save(two_checkpoints):
     crash_before_rename(two_checkpoints)
     assert len(list(two_checkpoints.glob(".step-*.tmp"))) == 2
@@ -491,6 +494,7 @@ class _Evil:
         return (os.system, (self.command,))
 
 
+@pytest.mark.e2e
 def test_malicious_checkpoint_is_refused_without_running(tmp_path):
     directory, marker = tmp_path / "checkpoints", tmp_path / "pwned"
     directory.mkdir()
@@ -861,6 +865,7 @@ def test_preemption_checks_about_every_interval_and_stops_at_the_agreed_step():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+@pytest.mark.e2e
 def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_its_signal(monkeypatch):
     """Issue 15, finding 3, in real DataLoader processes: SIGTERM reaches each worker right after torch has put its
     worker handlers in, before ``worker_init_fn`` ignores it; the workers are born with it blocked, so they live.

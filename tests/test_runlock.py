@@ -19,17 +19,12 @@ import pytest
 from conftest import REPO, child_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from procs import dead_pid
 
 from service.world.holder import pid_alive
 from service.world.runlock import LOCK_NAME, TAKEOVER_PREFIX, RunDirLock, RunDirLockedError
 
 ROUNDS = 8  # rounds per hypothesis example: the race is rare per round, so each example runs several
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
 
 
 def plant_stale_lock(run_dir: Path) -> None:
@@ -180,6 +175,7 @@ def pool():
 PAUSES = st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.0005, 0.002]), min_size=1, max_size=12)
 
 
+@pytest.mark.e2e
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(takers=st.integers(3, WORKERS), pauses=st.lists(PAUSES, min_size=WORKERS, max_size=WORKERS))
 def test_processes_taking_one_stale_lock_over_make_exactly_one_holder(pool, takers, pauses):
@@ -299,6 +295,7 @@ print("acquired")
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["dangling-symlink", "symlink-to-a-file", "directory"])
 def test_what_is_at_the_lock_path_but_no_lock_file_fails_fast_and_says_what_to_remove(tmp_path, kind):
     lock_path = tmp_path / LOCK_NAME

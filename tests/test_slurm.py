@@ -23,6 +23,8 @@ from conftest import QUICK, REPO, child_env, read_summary
 from rendezvous.conftest import require_etcd, start_single
 from slurm_cluster import CRED_EXPIRE, FINISHED, SCHED_INTERVAL, SlurmCluster, slurm_fixture  # noqa: F401 (fixture "slurm")
 
+pytestmark = pytest.mark.e2e  # every test here starts a process (etcd, torchrun, Slurm)
+
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 WRAPPER = REPO / "launch" / "slurm" / "srun_torchrun.sh"
 PER_NODE = 2

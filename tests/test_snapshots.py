@@ -218,6 +218,7 @@ def test_with_snapshot_every_three_only_every_third_step_is_snapshotted(tmp_path
     assert [manifest.step for manifest, _ in scan(writer.area.path)] == [6]
 
 
+@pytest.mark.e2e
 def test_too_little_shared_memory_turns_snapshots_off_with_a_warning_naming_the_fix(small_fs, caplog):
     root = small_fs(size="1m")
     writer = SnapshotWriter(area_for(root), HASH, "L", cuda=False)
@@ -248,6 +249,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_used_and_the_one_before_it_is(tmp_path, world_of_one):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, env=child_env(),
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -272,6 +274,7 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_used_and_the_one_before_it_
     assert torch.all(resumed.state["model"]["weight"] == complete[0])
 
 
+@pytest.mark.e2e
 def test_a_job_never_loads_a_leftover_snapshot_of_another_job_on_its_node(tmp_path):
     """Real run: another job's complete, newer snapshots of the same run_dir lie in the same root; the job starts at
     step 0, and completes with its own area removed."""
@@ -307,6 +310,7 @@ def _agree_as(rank: int, root: str, store: str, results: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_both_agree_on_one_snapshot_interval(tmp_path):
     """Rank 0's node holds the snapshot of step 7, rank 1's only a disk checkpoint of step 3: both resume at 7. Then
     every rank takes the largest rank's choice of snapshot interval, in one collective: they gather and snapshot at
@@ -322,6 +326,7 @@ def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_both_agr
     assert [(r["every"], r["due"]) for r in ranks] == [(400, [10, 11, 12, 13, 14, 400, 800])] * 2
 
 
+@pytest.mark.e2e
 def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
     """nan at the 4th step under train.nonfinite=stop, no restart left: nothing on the node would read them."""
     root = tmp_path / "shm"

@@ -400,6 +400,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.e2e
 def test_a_stopped_store_host_cannot_hang_the_watchdog_and_is_named(tmp_path, caplog):
     """Under the etcd3 rendezvous rank 0 hosts the store: SIGSTOPped, it answers nothing, yet the watchdog's
     publish and its hang report each return within the store deadline, naming rank 0."""

@@ -322,6 +322,7 @@ print(json.dumps([results, grew]))
 """
 
 
+@pytest.mark.e2e
 def test_a_huge_file_that_holds_no_weights_is_refused_by_its_first_bytes_in_bounded_memory(tmp_path):
     """Issue 24: 1.5 GiB of zeros as init_from was read whole (on every rank) before it was refused: 1.6 GB of
     peak RSS and 6 to 14 s each. Sparse files here, so the disk holds none of it."""

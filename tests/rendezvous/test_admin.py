@@ -16,6 +16,8 @@ from service.rendezvous.factory import build_handler
 
 from .conftest import EtcdMember, etcdctl
 
+pytestmark = pytest.mark.e2e  # every test here starts a process (etcd, torchrun, Slurm)
+
 PREFIX = "/torchelastic/etcd3"
 
 

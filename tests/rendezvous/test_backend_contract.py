@@ -86,7 +86,7 @@ def c10d_kit(run_id: str) -> Kit:
     return kit
 
 
-@pytest.fixture(params=["etcd3", "c10d"])
+@pytest.fixture(params=[pytest.param("etcd3", marks=pytest.mark.e2e), "c10d"])  # etcd3: a real etcd process
 def kit(request: pytest.FixtureRequest, run_id: str) -> Iterator[Kit]:
     if request.param == "etcd3":
         made = etcd3_kit(request.getfixturevalue("etcd_server").endpoint, run_id)

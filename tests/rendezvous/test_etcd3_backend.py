@@ -52,6 +52,7 @@ def lease_count(endpoint: str) -> int:
 
 
 # -- leases -------------------------------------------------------------------
+@pytest.mark.e2e
 def test_one_lease_per_run_covers_state_and_store_keys(etcd_server: EtcdMember, run_id: str) -> None:
     first = parts_for(etcd_server.endpoint, run_id)
     second = parts_for(etcd_server.endpoint, run_id)
@@ -71,6 +72,7 @@ def test_one_lease_per_run_covers_state_and_store_keys(etcd_server: EtcdMember, 
         second.close()
 
 
+@pytest.mark.e2e
 def test_abandoned_run_expires_while_a_kept_alive_run_lives(etcd_server: EtcdMember, run_id: str) -> None:
     alive = parts_for(etcd_server.endpoint, run_id + "-alive", ttl=2)
     gone = parts_for(etcd_server.endpoint, run_id + "-gone", ttl=2)
@@ -97,6 +99,7 @@ def test_abandoned_run_expires_while_a_kept_alive_run_lives(etcd_server: EtcdMem
         gone.close()
 
 
+@pytest.mark.e2e
 def test_a_rerun_refreshes_the_run_lease_it_inherits_at_once(etcd_server: EtcdMember, run_id: str) -> None:
     """Issue 15, finding 1: a preempted job's lease, inherited with little TTL left, must not expire under the rerun.
 
@@ -121,6 +124,7 @@ def test_a_rerun_refreshes_the_run_lease_it_inherits_at_once(etcd_server: EtcdMe
         rerun.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("impl", ["native", "dynamic"])
 def test_reusing_a_closed_run_id_raises_closed_error(etcd_server: EtcdMember, run_id: str, impl: str) -> None:
     def params() -> RendezvousParameters:
@@ -134,6 +138,7 @@ def test_reusing_a_closed_run_id_raises_closed_error(etcd_server: EtcdMember, ru
 
 
 # -- HMAC ---------------------------------------------------------------------
+@pytest.mark.e2e
 def test_signed_state_round_trips(etcd_server: EtcdMember, run_id: str) -> None:
     parts = parts_for(etcd_server.endpoint, run_id, {"S": SECRET}, secret_env="S")
     try:
@@ -145,6 +150,7 @@ def test_signed_state_round_trips(etcd_server: EtcdMember, run_id: str) -> None:
         parts.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "attack", ["flip-payload-byte", "flip-mac-byte", "flip-last-mac-byte", "unsigned-forgery", "other-secret"]
 )
@@ -184,6 +190,7 @@ class _Boom:
         return (Path(self.marker).touch, ())
 
 
+@pytest.mark.e2e
 def test_forged_pickle_never_reaches_torch(
     etcd_server: EtcdMember, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,6 +232,7 @@ def raw_put(endpoint: str, key: bytes, value: bytes) -> None:
         client.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signed", [False, True], ids=["no-secret", "secret"])
 @pytest.mark.parametrize("form", ["bare-pickle", "unsigned-envelope", "signed-by-insider"])
 def test_crafted_pickle_in_etcd_runs_nothing(
@@ -260,6 +268,7 @@ def test_crafted_pickle_in_etcd_runs_nothing(
         assert "posix.system" in message and "refused unloaded" in message, message
 
 
+@pytest.mark.e2e
 def test_agent_without_a_secret_warns_once_at_start(
     etcd_server: EtcdMember, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -278,6 +287,7 @@ def test_agent_without_a_secret_warns_once_at_start(
 
 
 # -- garbage in the lease key -----------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("garbage", [b"notanint", b"12345", b"-7", b""])
 def test_garbage_lease_key_is_replaced_with_a_warning(
     etcd_server: EtcdMember, run_id: str, caplog: pytest.LogCaptureFixture, garbage: bytes
@@ -314,6 +324,7 @@ def test_unreachable_etcd_fails_at_start_within_read_timeout_naming_endpoint(run
     assert time.monotonic() - started < 2.5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("operation", ["get_state", "set_state"])
 def test_connection_error_arrives_within_timeout(etcd_private: EtcdMember, run_id: str, operation: str) -> None:
     parts = parts_for(etcd_private.endpoint, run_id, read_timeout=1, grace_period=1, failed_node_retry=0.2)
@@ -332,6 +343,7 @@ def test_connection_error_arrives_within_timeout(etcd_private: EtcdMember, run_i
         parts.close()
 
 
+@pytest.mark.e2e
 def test_etcd_restart_inside_grace_window_is_survived(etcd_private: EtcdMember, run_id: str) -> None:
     parts = parts_for(etcd_private.endpoint, run_id, read_timeout=1, grace_period=15, failed_node_retry=0.2)
     try:
@@ -348,6 +360,7 @@ def test_etcd_restart_inside_grace_window_is_survived(etcd_private: EtcdMember, 
         parts.close()
 
 
+@pytest.mark.e2e
 def test_pyetcd_failed_node_error_is_retried(etcd_server: EtcdMember, run_id: str) -> None:
     parts = parts_for(etcd_server.endpoint, run_id, failed_node_retry=0.5)
     try:
@@ -369,6 +382,7 @@ def test_pyetcd_failed_node_error_is_retried(etcd_server: EtcdMember, run_id: st
 
 
 # -- uncertain writes -----------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("landed", [True, False])
 def test_uncertain_write_is_decided_by_a_re_read(
     etcd_server: EtcdMember, run_id: str, monkeypatch: pytest.MonkeyPatch, landed: bool

@@ -79,6 +79,7 @@ def test_job_name_from_env_replaces_the_command() -> None:
     assert this_job(1, 2, {JOB_ENV: "other"}).fingerprint != one.fingerprint
 
 
+@pytest.mark.e2e
 def test_claim_records_once_and_refuses_another_job(etcd_server: EtcdMember, run_id: str) -> None:
     first, second = parts_for(etcd_server.endpoint, run_id), parts_for(etcd_server.endpoint, run_id)
     try:
@@ -100,6 +101,7 @@ def test_claim_records_once_and_refuses_another_job(etcd_server: EtcdMember, run
         second.close()
 
 
+@pytest.mark.e2e
 def test_garbage_job_record_is_refused_by_name(etcd_server: EtcdMember, run_id: str) -> None:
     parts = parts_for(etcd_server.endpoint, run_id)
     try:
@@ -111,6 +113,7 @@ def test_garbage_job_record_is_refused_by_name(etcd_server: EtcdMember, run_id: 
 
 
 # -- the split-brain guard in the backend --------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["delete-prefix", "revoke-lease", "recreated"])
 def test_backend_refuses_a_run_whose_keys_vanished(etcd_server: EtcdMember, run_id: str, how: str) -> None:
     agent = parts_for(etcd_server.endpoint, run_id)
@@ -141,6 +144,7 @@ def test_backend_refuses_a_run_whose_keys_vanished(etcd_server: EtcdMember, run_
             other.close()
 
 
+@pytest.mark.e2e
 def test_heartbeat_write_notices_a_deleted_run(etcd_server: EtcdMember, run_id: str) -> None:
     agent = parts_for(etcd_server.endpoint, run_id)
     try:

@@ -19,6 +19,8 @@ from service.rendezvous.options import ClientOptions, parse_endpoints
 
 from .conftest import EtcdMember, wait_healthy
 
+pytestmark = pytest.mark.e2e  # every test here starts a process (etcd, torchrun, Slurm)
+
 
 def streams_opened(member: EtcdMember) -> int:
     """LeaseKeepAlive streams this etcd has seen opened since it started (its gRPC metrics)."""

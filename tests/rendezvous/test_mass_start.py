@@ -211,6 +211,7 @@ def test_nothing_listening_still_fails_at_once_even_with_a_long_start_timeout() 
 
 
 # -- a mass start through an etcd that is slow to take connections ----------------------------------------------
+@pytest.mark.e2e
 def test_a_mass_start_against_an_etcd_slow_to_accept_completes(
     etcd_server: EtcdMember, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,6 +246,7 @@ def _events_sent(endpoint: str) -> int:
     return int(next(float(line.split()[1]) for line in text.splitlines() if line.startswith(counter)))
 
 
+@pytest.mark.e2e
 def test_a_round_and_a_re_formed_round_cost_each_node_a_few_watch_events_not_one_per_join(
     etcd_server: EtcdMember, run_id: str
 ) -> None:

@@ -95,6 +95,7 @@ def wait_until(check: Callable[[], Any], timeout: float) -> Any:
 
 
 # -- torch's handler contract, native next to dynamic ------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("impl", ["native", "dynamic"])
 def test_two_form_a_world_and_a_third_waits_for_the_next_round(etcd_server: EtcdMember, make: Make, impl: str) -> None:
     first = [make(etcd_server.endpoint, 2, 3, impl), make(etcd_server.endpoint, 2, 3, impl)]
@@ -130,6 +131,7 @@ def _view(client: EtcdClient, layout: Layout, round_no: int) -> tuple[int, Any]:
     return revision, view_round(layout, entries, round_no)
 
 
+@pytest.mark.e2e
 def test_two_sealers_that_both_see_max_nodes_seal_once_and_read_the_same_record(
     etcd_server: EtcdMember, run_id: str
 ) -> None:
@@ -157,6 +159,7 @@ def test_two_sealers_that_both_see_max_nodes_seal_once_and_read_the_same_record(
             c.close()
 
 
+@pytest.mark.e2e
 def test_a_joiner_during_the_seal_is_either_sealed_in_or_refused(etcd_server: EtcdMember, run_id: str) -> None:
     client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id)
@@ -213,6 +216,7 @@ def test_members_are_the_first_joiners_whatever_order_the_keys_arrive_in(
 
 
 # -- lease loss, departures, steady state ------------------------------------------------------------
+@pytest.mark.e2e
 def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_server: EtcdMember, make: Make) -> None:
     a, b = make(etcd_server.endpoint, 1, 2), make(etcd_server.endpoint, 1, 2)
     assert {i.world_size for i in together(a.next_rendezvous, b.next_rendezvous)} == {2}
@@ -238,6 +242,7 @@ def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_ser
     assert a.node not in b._members
 
 
+@pytest.mark.e2e
 def test_keys_lost_to_a_frozen_etcd_rejoin_instead_of_failing(etcd_private: EtcdMember, make: Make) -> None:
     """Issue 15, finding 2: a frozen etcd expires every node lease when it wakes; nobody who could reach etcd
     did that, so the members leave their round (their workers are restarted) and rejoin, instead of RunLostError."""
@@ -255,6 +260,7 @@ def test_keys_lost_to_a_frozen_etcd_rejoin_instead_of_failing(etcd_private: Etcd
     assert a._round == b._round == 1
 
 
+@pytest.mark.e2e
 def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_nothing(
     etcd_server: EtcdMember, make: Make
 ) -> None:
@@ -287,6 +293,7 @@ def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_no
     assert seen <= ttl + 1.5, f"the departure was seen {seen:.2f} s after the node died; its lease TTL is {ttl} s"
 
 
+@pytest.mark.e2e
 def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(
     etcd_private: EtcdMember, make: Make
 ) -> None:
@@ -311,6 +318,7 @@ def test_a_watch_broken_by_an_etcd_restart_resumes_without_missing_a_departure(
     assert (info.rank, info.world_size) == (0, 1)
 
 
+@pytest.mark.e2e
 def test_a_stream_that_ends_while_it_is_being_opened_is_rebuilt_and_a_departure_still_seen(
     etcd_private: EtcdMember, make: Make
 ) -> None:
@@ -354,6 +362,7 @@ def test_a_stream_that_ends_while_it_is_being_opened_is_rebuilt_and_a_departure_
     assert wait_until(a.num_nodes_waiting, 10) >= 1
 
 
+@pytest.mark.e2e
 def test_a_rebuilt_watch_sees_a_departure_whose_deletion_etcd_compacted_at_the_watch_start(
     etcd_private: EtcdMember, make: Make
 ) -> None:
@@ -390,6 +399,7 @@ def test_a_rebuilt_watch_sees_a_departure_whose_deletion_etcd_compacted_at_the_w
 
 
 # -- nothing from etcd is unpickled or trusted unsigned ------------------------------------------------
+@pytest.mark.e2e
 def test_planted_values_are_refused_and_nothing_runs(
     etcd_server: EtcdMember, make: Make, run_id: str, tmp_path: Any
 ) -> None:
@@ -454,6 +464,7 @@ def _forgeries(run_id: str) -> dict[bytes, bytes]:
     }
 
 
+@pytest.mark.e2e
 def test_forged_values_on_a_signed_run_are_ignored_deleted_and_never_fatal(
     etcd_server: EtcdMember, make: Make, run_id: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -483,6 +494,7 @@ def test_forged_values_on_a_signed_run_are_ignored_deleted_and_never_fatal(
     assert "ignored and deleted" in caplog.text and "unsigned" in caplog.text and "does not match" in caplog.text
 
 
+@pytest.mark.e2e
 def test_a_join_refused_by_a_forged_seal_or_closed_deletes_it_and_joins(etcd_server: EtcdMember, run_id: str) -> None:
     client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id, SECRET.encode())
@@ -511,6 +523,7 @@ class _Touch:
 
 
 # -- scale --------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_64_forked_handlers_complete_one_round(etcd_server: EtcdMember) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "rendezvous_scale.py"), "--one", "native", "64",

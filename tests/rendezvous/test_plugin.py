@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import REPO, EtcdMember
 
+pytestmark = pytest.mark.e2e  # every test here starts a process (etcd, torchrun, Slurm)
+
 
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}

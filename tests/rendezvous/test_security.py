@@ -156,6 +156,7 @@ def assert_fails_fast(build: Callable[[], object], error: type[Exception], *frag
 # -- TLS -------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_tls_backend_and_store_work_with_ca_and_client_cert(
     etcd_tls: EtcdMember, tls: TlsFiles, make_parts: PartsFactory
 ) -> None:
@@ -164,6 +165,7 @@ def test_tls_backend_and_store_work_with_ca_and_client_cert(
     assert_round_trip(parts)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("case", "reason"),
     [("no CA (plaintext)", "UNAVAILABLE"), ("wrong CA", "handshake"), ("no client certificate", "handshake")],
@@ -186,6 +188,7 @@ def test_tls_misconfiguration_fails_fast_with_connection_error(
     assert reason in message, message
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("option", ["cacert", "cert", "key"])
 def test_tls_file_that_is_not_pem_is_refused_at_start(
     option: str, etcd_tls: EtcdMember, tls: TlsFiles, make_parts: PartsFactory, tmp_path: Path
@@ -223,6 +226,7 @@ def test_torchrun_smoke_script_over_tls(etcd_tls: EtcdMember, tls: TlsFiles, tmp
 # -- authentication --------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_auth_password_file_works_for_backend_and_store(
     etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory
 ) -> None:
@@ -230,6 +234,7 @@ def test_auth_password_file_works_for_backend_and_store(
     assert_round_trip(parts)
 
 
+@pytest.mark.e2e
 def test_auth_password_env_works(
     etcd_auth: EtcdMember, make_parts: PartsFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,6 +243,7 @@ def test_auth_password_env_works(
     assert_round_trip(parts)
 
 
+@pytest.mark.e2e
 def test_auth_wrong_password_names_the_user(etcd_auth: EtcdMember, make_parts: PartsFactory, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-password")
@@ -250,6 +256,7 @@ def test_auth_wrong_password_names_the_user(etcd_auth: EtcdMember, make_parts: P
     assert "not-the-password" not in message and "password" in message
 
 
+@pytest.mark.e2e
 def test_auth_without_user_is_refused_clearly(etcd_auth: EtcdMember, make_parts: PartsFactory) -> None:
     assert_fails_fast(
         lambda: make_parts(etcd_auth.endpoint, FAST),
@@ -259,6 +266,7 @@ def test_auth_without_user_is_refused_clearly(etcd_auth: EtcdMember, make_parts:
     )
 
 
+@pytest.mark.e2e
 def test_auth_prefix_without_permission_is_refused(
     etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory
 ) -> None:
@@ -272,6 +280,7 @@ def test_auth_prefix_without_permission_is_refused(
     )
 
 
+@pytest.mark.e2e
 def test_auth_expired_token_logs_in_again(etcd_auth: EtcdMember, password_file: Path, make_parts: PartsFactory) -> None:
     parts = make_parts(etcd_auth.endpoint, f"user={USER},password_file={password_file}")
     _, token, _ = parts.backend.set_state(S("before"))
@@ -282,6 +291,7 @@ def test_auth_expired_token_logs_in_again(etcd_auth: EtcdMember, password_file: 
     assert parts.client.raw.metadata != first_login, "the client did not log in again"
 
 
+@pytest.mark.e2e
 def test_worker_never_sees_the_password_or_the_secret(etcd_auth: EtcdMember, tmp_path: Path, run_id: str) -> None:
     """A real torchrun agent reads both from its environment, removes them, and its worker sees neither."""
     secret = "rdzv-secret-" + uuid.uuid4().hex
@@ -397,6 +407,7 @@ def test_endpoint_that_is_not_etcd_gets_the_right_reason(kind: str, reason: str,
         server.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("conf", "fragment"),
     [

@@ -21,6 +21,8 @@ from service.rendezvous.store import Etcd3Store
 
 from .conftest import REPO, EtcdMember, kill_group
 
+pytestmark = pytest.mark.e2e  # every test here starts a process (etcd, torchrun, Slurm)
+
 
 @pytest.fixture
 def parts(etcd_server: EtcdMember, run_id: str) -> Iterator[Etcd3Parts]:
