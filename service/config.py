@@ -425,7 +425,7 @@ def _format_error(error: Mapping[str, Any], given: tuple[str, str] | None = None
     if error["type"] == "extra_forbidden":
         typed = given[0] if given is not None and given[0].startswith(f"{path}.") else path  # trian.lr, not trian
         nearest = nearest_key(typed)
-        hint = f"did you mean {nearest}?" if nearest else "check the spelling against the README's config reference"
+        hint = f"did you mean {nearest}?" if nearest else "check the spelling against docs/config.md"
         return f"{path}: unknown key{origin}; {hint}"
     if error["type"] == "finite_number":
         message = _NOT_FINITE

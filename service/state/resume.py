@@ -28,7 +28,7 @@ from service.world.distributed import bytes_to_tensor, tensor_to_bytes
 
 log = logging.getLogger(__name__)
 
-# Keys that may differ between a checkpoint's config and the resuming one (README, "Resume").
+# Keys that may differ between a checkpoint's config and the resuming one (docs/config.md, "Resuming").
 MUTABLE = (
     "run_dir", "metrics", "checkpoint", "dist", "train.log_every", "train.progress_bar",
     "data.num_workers", "data.pin_memory", "data.trace", "data.stream_resume", "ddp.bucket_cap_mb",
