@@ -13,7 +13,7 @@ SERVICE = Path(__file__).resolve().parent.parent / "service"
 
 # Lower layers first; a module may import its own layer and those below it, never one above.
 LAYERS = ["base", "world", "state", "telemetry", "loop", "ops", "entry"]
-BASE = {"service", "service.config", "service.config_yaml", "service.errors", "service.early"}
+BASE = {"service", "service.config", "service.config_yaml", "service.errors", "service.early", "service.version"}
 ENTRY = {"service.cli", "service.__main__", "service.entry", "service.worker"}
 HANDLERS = ("service.rendezvous.native", "service.rendezvous.dynamic")
 RDZV_TOP = {"service.rendezvous.factory", "service.rendezvous.plugin", "service.rendezvous.admin"}
@@ -75,6 +75,22 @@ def test_the_root_package_names_the_public_api_lazily_and_nothing_else_above_it(
     import service
 
     assert service.Session.__module__ == "service.loop.session" and service.Carry.__module__ == "service.loop.kept"
+
+
+def test_no_module_takes_a_name_from_the_root_package() -> None:
+    """The root package reaches up to loop for the public API: a module that takes a name from it (``from service
+    import __version__``) climbs through it. It imports the module that defines the name (``service.version``)."""
+    found = modules()
+    bad = [
+        f"{module} takes {alias.name} from the root package: import it from the module that defines it"
+        for module, path in sorted(found.items())
+        if module != "service"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "service"
+        for alias in node.names
+        if f"service.{alias.name}" not in found
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def violation(src: str, dst: str) -> str | None:

@@ -7,12 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from service.config import DataConfig
-from service.loop.sampler import DataPlan, PlanSampler, StepPlan
+from service.loop.sampler import StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
 from service.world.env import WorldInfo
 
@@ -32,23 +31,6 @@ class SignalSafeLoader(DataLoader):
             return super().__iter__()
         with held_back():
             return super().__iter__()
-
-
-def train_loader(dataset: Dataset, plan: DataPlan, data: DataConfig, seed: int,
-                 collate: Callable[[list[Any]], Any] | None = None) -> tuple[DataLoader, PlanSampler]:  # fmt: skip
-    """Micro-batches in plan order; call ``sampler.position(epoch, cursor)`` before each pass."""
-    sampler = PlanSampler(plan)
-    loader = SignalSafeLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate,
-        num_workers=data.num_workers,
-        pin_memory=data.pin_memory,
-        persistent_workers=data.num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=ignore_in_data_workers,
-    )
-    return loader, sampler
 
 
 def eval_loader(dataset: Dataset, batch_size: int, data: DataConfig, world: WorldInfo,

@@ -283,7 +283,7 @@ class Runtime:
         read on the host here (no device sync per step); it goes along as ``first_bad``, and the snapshot's
         writer drops a state recorded bad, off the training thread.
         """
-        from service import __version__
+        from service.version import __version__
 
         extra: dict[str, Any] = {}
         if self.nonfinite is not None:

@@ -147,7 +147,7 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
     kind the manifest names; ``zip_crc32=False`` leaves torch.save's own crc32
     out (:func:`save_without_crc32`).
     """
-    from service import __version__
+    from service.version import __version__
 
     final, manifest_path = directory / state_name(step), directory / manifest_name(step)
     tmp_state = directory / f".{final.name}.{os.getpid()}.tmp"

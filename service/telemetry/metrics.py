@@ -281,7 +281,7 @@ class PrometheusSink(MetricsSink):
         """``hangs``: what this rank's earlier starts found (``run_dir/hangs.jsonl``), counted on from there."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-        from service import __version__
+        from service.version import __version__
 
         self.registry = CollectorRegistry()
         self.labels = metric_labels(world)

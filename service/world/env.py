@@ -15,7 +15,6 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
 
 from service.world.hostlist import HostlistError, count_hosts, expand_hostlist, first_host  # noqa: F401 (re-export)
 
@@ -354,7 +353,3 @@ def _unix_time(env: Mapping[str, str], name: str) -> float | None:
 def detect_scheduler(env: Mapping[str, str]) -> str | None:
     """The batch system the processes run in: Slurm sets ``SLURM_JOB_ID`` in every task of a job."""
     return "slurm" if env.get("SLURM_JOB_ID", "").strip() else None
-
-
-def world_as_dict(info: WorldInfo) -> dict[str, Any]:
-    return dataclasses.asdict(info)
