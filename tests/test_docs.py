@@ -157,3 +157,29 @@ def test_docs_config_has_one_row_for_every_config_key() -> None:
     assert sorted(set(rows)) == sorted(rows), "docs/config.md has a key twice"
     assert not leaves - set(rows), f"docs/config.md's table has no row for {sorted(leaves - set(rows))}: add one"
     assert not set(rows) - leaves, f"docs/config.md's table names keys the config lacks: {sorted(set(rows) - leaves)}"
+
+
+def test_docs_cli_names_every_option_of_the_services_own_commands() -> None:
+    """Every option of train, validate, env, rdzv, export, goodput and launch's own (torchrun's pass through)."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    from service.cli import _parser
+    from service.ops.launch_args import build_parser
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:
+        found = set()
+        for action in parser._actions:  # argparse has no public way to list a parser's options
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if name not in {"launch", "doctor"}:  # parsed by their own parsers
+                        found |= options(sub)
+            else:
+                found |= {option for option in action.option_strings if option.startswith("--")}
+        return found - {"--help"}
+
+    own = options(_parser()) | (options(build_parser({})) - options(get_args_parser()))
+    text = (REPO / "docs" / "cli.md").read_text()
+    missing = sorted(option for option in own if not re.search(rf"{re.escape(option)}\b", text))
+    assert not missing, f"docs/cli.md does not name these options of ddp-service's commands: {missing}"
