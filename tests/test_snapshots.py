@@ -686,6 +686,29 @@ def test_a_small_snapshot_is_taken_every_step_also_under_load():
         assert schedule.every == 1 and schedule.intervals == [{"from_step": 3, "every": 1}]
 
 
+def test_the_re_checks_read_the_snapshots_done_and_never_wait_for_one_in_flight(tmp_path):
+    """The first agreement waits for the probe's last snapshot (once a start); the re-checks read what is done: a
+    64 MiB snapshot just taken is not waited for by ``recent``, and ``measured`` waits for it."""
+    model = torch.nn.Linear(4096, 4096)
+    writer = SnapshotWriter(area_for(tmp_path), HASH, "L", cuda=False)
+    writer.preflight(model)
+    writer.capture(1, lambda: {**state_at(1), "model": model.state_dict()})
+    assert writer.recent() == [] and writer.written == 0  # in flight: nothing waited for
+    assert len(writer.measured()) == 1 and writer.written == 1
+    writer.close()
+    calls = {"costs": 0, "recent": 0}
+
+    def read(kind: str) -> list:
+        calls[kind] += 1
+        return [(0.0, 0.05)] * 6
+
+    clock = Steps(lambda step: 0.01)
+    schedule = SnapshotSchedule("auto", 0, lambda: read("costs"), agree=lambda p: p, clock=clock, cpu_clock=clock,
+                                recent=lambda: read("recent"))  # fmt: skip
+    run_timed(schedule, clock, range(1, 2001))
+    assert calls == {"costs": 1, "recent": len(range(8 + 250, 2001, 250))}, calls
+
+
 timings = st.integers(min_value=1, max_value=40_000).map(lambda k: k / 1000)  # whole ms: read back to the ns
 
 

@@ -122,6 +122,7 @@ class Runtime:
             agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
             ranks_here=world.local_world_size, cpus=usable_cpus(),
             max_seconds=config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
+            recent=self.roles.snapshots.recent,
         )  # fmt: skip
         self.window = Window(self.device, sum_across(self.control),
                              lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip

@@ -183,19 +183,22 @@ class SnapshotSchedule:
     ``costs``: this rank's measured snapshots (waits for one in flight; empty on a rank that writes none);
     ``agree``: the largest of the ranks' proposals (a collective); ``sync``: waits for the device (CUDA);
     ``ranks_here`` and ``cpus``: the node's ranks and the CPUs they share (the busy share); ``max_seconds``:
-    ``checkpoint.snapshot_max_seconds``; ``ran``: a count that moves when a step's body runs (the forwards).
+    ``checkpoint.snapshot_max_seconds``; ``ran``: a count that moves when a step's body runs (the forwards);
+    ``recent``: the costs measured so far without waiting for a snapshot in flight (the re-checks'; ``costs``).
     """
 
     def __init__(self, every: int | str, start: int, costs: Callable[[], Sequence[Cost]],
                  agree: Callable[[int], int], sync: Callable[[], None] = lambda: None, ranks_here: int = 1,
                  cpus: float = 1.0, clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.process_time, max_seconds: float = SNAPSHOT_MAX_SECONDS,
-                 ran: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 ran: Callable[[], int] = lambda: 0,
+                 recent: Callable[[], Sequence[Cost]] | None = None) -> None:  # fmt: skip
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)  # in use now: auto takes one every step until it agrees
         self.start = start
         self.decided = not self.auto
         self.costs, self.agree, self.sync, self.ran = costs, agree, sync, ran
+        self.recent = recent or costs
         self.ranks_here, self.cpus, self.clock, self.cpu_clock = ranks_here, cpus, clock, cpu_clock
         self.max_seconds = max_seconds
         self.step_time: float | None = None  # the steady step, as last proposed on (the shortest timed)
@@ -240,7 +243,8 @@ class SnapshotSchedule:
         self.sync()
         self._marks[step] = (self.clock(), self.cpu_clock(), self.ran())
 
-    def _measure(self) -> tuple[float | None, float | None, float | None, list[Cost]]:
+    def _measure(self, costs: Callable[[], Sequence[Cost]]) -> tuple[float | None, float | None, float | None,
+                                                                     list[Cost]]:  # fmt: skip
         """(step time, typical step, snapshot cost, costs) of the steps timed since the last decision."""
         # To the nanosecond (perf_counter's resolution): float rounding moves no boundary case
         timed = [(round(now[0] - before[0], 9), now[1] - before[1], now[2] != before[2])
@@ -252,11 +256,12 @@ class SnapshotSchedule:
             step_time, typical = found
             self.busy = busy_share(sum(cpu for _, cpu, _ in timed), sum(wall for wall, _, _ in timed),
                                    self.ranks_here, self.cpus)  # fmt: skip
-        costs = list(self.costs())
-        return step_time, typical, typical_cost(costs, self.busy) if costs else None, costs
+        measured = list(costs())
+        return step_time, typical, typical_cost(measured, self.busy) if measured else None, measured
 
     def _decide(self, step: int) -> None:
-        self.step_time, self.typical_step, self.cost, costs = self._measure()
+        # The probe's last snapshot is waited for: once a start
+        self.step_time, self.typical_step, self.cost, costs = self._measure(self.costs)
         self.proposal = propose(costs, self.step_time, self.busy, self.typical_step, self.max_seconds)
         self.every = self.agree(self.proposal)
         self.decided = True
@@ -273,7 +278,7 @@ class SnapshotSchedule:
                      self._figures(), self.proposal)  # fmt: skip
 
     def _recheck(self, step: int) -> None:
-        step_time, typical, cost, costs = self._measure()
+        step_time, typical, cost, costs = self._measure(self.recent)  # no wait for a snapshot in flight
         causes = [f"{what} {'none' if old is None else f'{old * 1e3:.1f} ms'} -> {new * 1e3:.1f} ms"
                   for what, old, new in (("a step", self.step_time, step_time), ("a typical step",
                                          self.typical_step, typical), ("a snapshot", self.cost, cost))
