@@ -221,7 +221,8 @@ class SnapshotSchedule:
                 f"cost at {BUDGET:.1%} of the step time or less (every step for a small one: {SMALL_SECONDS * 1e3:.0f} "
                 f"ms or less, and {SMALL_SHARE:.0%} of a step or less), a failure losing at most {self.max_seconds:g} "
                 f"s of steps (checkpoint.snapshot_max_seconds); re-measured every quarter interval ({CHECK_STEPS} "
-                f"steps apart at least), it moves when a step or a snapshot changes by more than {FACTOR:g}x")  # fmt: skip
+                f"steps apart at least), it moves when a step or a snapshot changes by more than "
+                f"{FACTOR:g}x")  # fmt: skip
 
     def due(self, step: int) -> bool:
         """Is a snapshot of ``step`` due? Called at every step boundary on every rank, in step order; under ``auto``
