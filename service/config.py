@@ -118,6 +118,30 @@ def _snapshot_every(value: Any) -> int | str:
 SnapshotEvery = Annotated[int | Literal["auto"], PlainValidator(_snapshot_every)]
 
 
+SNAPSHOT_MAX_SECONDS = 60.0  # checkpoint.snapshot_max_seconds's default
+
+
+def _snapshot_max_seconds(value: Any) -> float:
+    """Seconds above 0, at most :data:`TIMEOUT_MAX`: one error naming the fix."""
+    fix = (f"must be a number of seconds above 0 and at most {TIMEOUT_MAX}: the most training one failure may lose "
+           "under checkpoint.snapshot_every=auto, e.g. 60")  # fmt: skip
+    if isinstance(value, str):  # YAML reads 1e400, Infinity and 1e9 as strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(fix) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(fix)
+    if not math.isfinite(value):
+        raise ValueError(_NOT_FINITE)
+    if not 0 < value <= TIMEOUT_MAX:
+        raise ValueError(fix)
+    return float(value)
+
+
+SnapshotMaxSeconds = Annotated[float, PlainValidator(_snapshot_max_seconds)]
+
+
 def _within(low: int, high: int, fix: str) -> BeforeValidator:
     """Refuse a number outside ``low..high`` before pydantic's int parsing (``1.0e+23`` would overflow it)."""
 
@@ -242,11 +266,27 @@ class CheckpointConfig(_Section):
     snapshot_every: SnapshotEvery = Field(
         "auto",
         description="Keep the state of every N-th optimizer step in node-local shared memory; 0: off; auto: the N "
-        "that keeps their cost at 0.5% of the step time or less, measured at the start (every step for small models).",
+        "that keeps their cost at 0.5% of the step time or less, measured through the run (every step for small "
+        "models), within checkpoint.snapshot_max_seconds.",
+    )
+    snapshot_max_seconds: SnapshotMaxSeconds = Field(
+        SNAPSHOT_MAX_SECONDS,
+        description="Under snapshot_every=auto: the most training time one failure may lose; the interval never "
+        "spans more than this many seconds of typical steps.",
     )
     snapshot_dir: str = Field(
         "/dev/shm", min_length=1, description="The shared-memory file system that holds the snapshots (a tmpfs)."
     )
+
+    @model_validator(mode="after")
+    def _max_seconds_with_auto(self) -> CheckpointConfig:
+        # A value other than the default that a fixed interval would leave unused is refused (no silent settings)
+        if self.snapshot_max_seconds != SNAPSHOT_MAX_SECONDS and self.snapshot_every != "auto":
+            raise ValueError(f"checkpoint.snapshot_max_seconds={self.snapshot_max_seconds:g} applies to "
+                             f"checkpoint.snapshot_every=auto only, and snapshot_every is {self.snapshot_every} (a "
+                             "fixed interval is taken as given); drop snapshot_max_seconds, or set "
+                             "checkpoint.snapshot_every=auto")  # fmt: skip
+        return self
 
     @field_validator("keep")
     @classmethod

@@ -231,3 +231,20 @@ def test_a_bad_snapshot_interval_is_refused_naming_the_key_and_what_it_takes(val
         load_config(None, [f"checkpoint.snapshot_every={value}"])
     assert load_config(None).checkpoint.snapshot_every == "auto"  # the default
     assert [load_config(None, [f"checkpoint.snapshot_every={v}"]).checkpoint.snapshot_every for v in (0, 7)] == [0, 7]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "true", ".inf", "1e400", "604801"])
+def test_a_bad_snapshot_time_ceiling_is_refused_naming_the_key_and_what_it_takes(value):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"checkpoint.snapshot_max_seconds={value}"])
+    assert len(info.value.errors) == 1 and info.value.errors[0].startswith("checkpoint.snapshot_max_seconds: must be")
+    assert load_config(None).checkpoint.snapshot_max_seconds == 60  # the default
+    assert load_config(None, ["checkpoint.snapshot_max_seconds=2.5"]).checkpoint.snapshot_max_seconds == 2.5
+
+
+def test_a_time_ceiling_with_a_fixed_snapshot_interval_is_refused_as_unused():
+    """A fixed interval is taken as given: a snapshot_max_seconds other than its default would be a silent setting."""
+    with pytest.raises(ConfigError, match=r"checkpoint\.snapshot_max_seconds=30 applies to checkpoint\.snapshot_"
+                       r"every=auto only.*set checkpoint\.snapshot_every=auto"):  # fmt: skip
+        load_config(None, ["checkpoint.snapshot_every=5", "checkpoint.snapshot_max_seconds=30"])
+    assert load_config(None, ["checkpoint.snapshot_every=5", "checkpoint.snapshot_max_seconds=60"])  # the default

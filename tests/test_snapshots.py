@@ -19,13 +19,14 @@ import textwrap
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, child_env, read_summary, run_job
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.config import JobConfig
@@ -45,9 +46,13 @@ from service.state.snapshot_interval import (
     AGREE,
     BUDGET,
     MOST,
+    SMALL_SECONDS,
+    SMALL_SHARE,
     SnapshotSchedule,
+    check_period,
     interval_for,
     propose,
+    small,
     typical_cost,
 )
 from service.world.distributed import largest_across
@@ -488,9 +493,10 @@ def run_schedule(schedule: SnapshotSchedule, clock: Clock, steps: range) -> list
     return due
 
 
-def test_auto_times_clean_steps_probes_every_step_then_agrees_once_on_a_longer_interval_for_a_slower_snapshot():
+def test_auto_times_clean_steps_probes_every_step_then_agrees_on_a_longer_interval_for_a_slower_snapshot():
     """Steps 101-102 of a start at 100 are timed with no snapshot; 103-107 take one every step; at 108 the rank
-    proposes the shortest interval that keeps its snapshots at 0.5% of the step time, and the agreed one is used."""
+    proposes the shortest interval that keeps its snapshots at 0.5% of the step time (every step for a small one),
+    and the agreed one is used; the re-checks after it find nothing moved and repeat that proposal."""
     chosen = {}
     for name, background in (("tiny", 0.0006), ("small", 0.010), ("slow", 0.19)):
         costs = [(0.001, 0.5), (0.0005, background), (0.0005, background * 1.2)]  # the first: buffers allocated
@@ -501,22 +507,27 @@ def test_auto_times_clean_steps_probes_every_step_then_agrees_once_on_a_longer_i
                                     cpu_clock=lambda clock=clock: clock.now * 2, cpus=2)  # fmt: skip
         due = run_schedule(schedule, clock, range(101, 2001))
         assert due[:5] == [103, 104, 105, 106, 107] and 101 not in due and 102 not in due
-        assert len(proposals) == 1  # one agreement, at step 108
+        checks = list(range(108 + check_period(schedule.every), 2001, check_period(schedule.every)))
+        assert len(proposals) == 1 + len(checks) and len(set(proposals)) == 1  # at 108, then the same at each check
+        assert schedule.intervals == [{"from_step": 103, "every": 1}] + (
+            [{"from_step": 108, "every": schedule.every}] if schedule.every != 1 else []
+        )
         assert all(step >= 108 and step % schedule.every == 0 for step in due[5:])
         assert schedule.step_time == pytest.approx(0.1) and schedule.busy == pytest.approx(1.0)
         assert schedule.cost == pytest.approx(0.0005 + background * 1.1)  # the median, the first left out
         chosen[name] = (proposals[0], schedule.every, due[5:])
-    assert chosen["tiny"][:2] == (3, 3)  # 1.16 ms: over 0.5 ms a step every other step, under it every third
+    assert chosen["tiny"][:2] == (1, 1)  # 1.16 ms: a small snapshot (20 ms or less, 10% of the step or less)
     assert chosen["small"][:2] == (23, 23)  # 11.5 ms / 23 <= 0.5% of 100 ms; 11.5 ms / 22 is not
     assert chosen["slow"][:2] == (419, 419) and chosen["slow"][2] == [419 * k for k in range(1, 5)]
 
 
 def test_a_snapshot_costs_the_steps_its_background_cpu_only_in_the_share_the_training_keeps_busy():
-    """The same snapshot (1 ms on the training thread, 50 ms of background CPU) at a 1 s step: on a node whose CPUs
-    all train it costs 51 ms (every 11 steps); where the training keeps a tenth of them busy (a GPU node's host),
-    6 ms (every other step); the ranks on a node share its CPUs."""
-    costs = [(0.001, 0.05)] * 3
-    for cpu_per_second, ranks_here, cpus, every in ((4.0, 1, 4, 11), (0.4, 1, 4, 2), (0.5, 8, 4, 11), (0.2, 2, 16, 1)):
+    """The same snapshot (1 ms on the training thread, 500 ms of background CPU) at a 1 s step: on a node whose CPUs
+    all train it costs 501 ms (every 101 steps); where the training keeps a tenth of them busy (a GPU node's host),
+    51 ms (every 11); the ranks on a node share its CPUs; at a fortieth, 13.5 ms: a small snapshot, every step."""
+    costs = [(0.001, 0.5)] * 3
+    for cpu_per_second, ranks_here, cpus, every in ((4.0, 1, 4, 101), (0.4, 1, 4, 11), (0.5, 8, 4, 101),
+                                                    (0.2, 2, 16, 1)):  # fmt: skip
         clock = Clock(1.0)
         schedule = SnapshotSchedule(
             "auto",
@@ -527,6 +538,7 @@ def test_a_snapshot_costs_the_steps_its_background_cpu_only_in_the_share_the_tra
             cpus=cpus,
             clock=clock,
             cpu_clock=lambda clock=clock, rate=cpu_per_second: clock.now * rate,
+            max_seconds=600,
         )
         run_schedule(schedule, clock, range(1, AGREE + 1))
         assert schedule.busy == pytest.approx(min(1.0, cpu_per_second * ranks_here / cpus))
@@ -538,9 +550,197 @@ def test_auto_takes_another_ranks_larger_choice_and_a_rank_without_snapshots_pro
     clock = Clock(0.1)
     schedule = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: proposals.append(p) or max(p, 30), clock=clock)
     due = run_schedule(schedule, clock, range(1, 121))
-    assert proposals == [0] and schedule.every == 30 and due == [3, 4, 5, 6, 7, 30, 60, 90, 120]
+    assert proposals == [0, 0] and schedule.every == 30 and due == [3, 4, 5, 6, 7, 30, 60, 90, 120]  # at 8 and 72
     off = SnapshotSchedule("auto", 0, lambda: [], agree=lambda p: p, clock=clock)  # no rank keeps any
     assert run_schedule(off, clock, range(1, 200)) == [3, 4, 5, 6, 7] and off.every == 0
+
+
+class Steps:
+    """A simulated clock whose steps take ``times(step)`` seconds; the process's CPU keeps pace (busy share 1)."""
+
+    def __init__(self, times: Callable[[int], float]) -> None:
+        self.now, self.times = 0.0, times
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_timed(schedule: SnapshotSchedule, clock: Steps, steps: range) -> list[int]:
+    due = []
+    for step in steps:
+        clock.now += clock.times(step)
+        if schedule.due(step):
+            due.append(step)
+    return due
+
+
+def auto(clock: Steps, costs: list, start: int = 0, **kwargs) -> SnapshotSchedule:
+    """auto on one rank (its proposal is the agreed interval), on ``clock``, with these measured ``costs``."""
+    return SnapshotSchedule("auto", start, lambda: costs, agree=lambda p: p, clock=clock, cpu_clock=clock, **kwargs)
+
+
+def test_auto_picks_the_same_interval_after_a_slow_a_near_empty_or_a_steady_start():
+    """The issue's starts: 3 slow first steps (1 s, then 111 ms steps) chose every 2 against 20 unskewed, and 2
+    near-empty first steps chose every 9,924 ("a step takes 0 ms"). The steady steps decide now: all three starts
+    agree at step 8 on the interval of 111 ms steps, and keep it."""
+    costs = [(0.002, 0.02)] * 6  # 22 ms a snapshot: 0.5% of 111 ms is 0.555 ms, so every 40
+    starts = {"steady": lambda step: 0.111, "slow": lambda step: 1.0 if step <= 3 else 0.111,
+              "near-empty": lambda step: 1e-5 if step <= 2 else 0.111}  # fmt: skip
+    chosen = {}
+    for name, times in starts.items():
+        clock = Steps(times)
+        schedule = auto(clock, costs)
+        run_timed(schedule, clock, range(1, AGREE + 1))
+        first = schedule.every
+        run_timed(schedule, clock, range(AGREE + 1, 2001))
+        chosen[name] = (first, schedule.every, schedule.step_time, schedule.intervals)
+    assert chosen["steady"][:3] == (40, 40, 0.111), chosen
+    assert chosen["slow"] == chosen["near-empty"] == chosen["steady"]
+    assert chosen["steady"][3] == [{"from_step": 3, "every": 1}, {"from_step": 8, "every": 40}]
+
+
+def test_steps_whose_body_did_not_run_are_left_out_even_when_they_take_some_time():
+    """A step with no forward (the count ``ran`` did not move: a loop that skipped its body) sets no step time, even
+    at a third of a real step; a step with one sets it (the shortest of the steady steps)."""
+    costs = [(0.002, 0.02)] * 6
+    forwards = {"count": 0}
+
+    def times(step: int) -> float:
+        forwards["count"] += step > 3  # steps 1-3 run no forward; they take 37 ms
+        return 0.037 if step <= 3 else 0.111
+
+    clock = Steps(times)
+    schedule = auto(clock, costs, ran=lambda: forwards["count"])
+    run_timed(schedule, clock, range(1, AGREE + 1))
+    assert schedule.step_time == 0.111 and schedule.every == 40
+    blind = Steps(lambda step: 0.037 if step <= 3 else 0.111)  # nothing known of the bodies: the time decides
+    schedule = auto(blind, costs)
+    run_timed(schedule, blind, range(1, AGREE + 1))
+    assert schedule.step_time == 0.037 and schedule.every == 119
+
+
+def test_a_slow_step_among_fast_steady_ones_does_not_set_the_interval():
+    """An evaluation every 10 steps (2 s, against 111 ms steps) never sets the step time: the shortest steady one
+    does, at the start and at every re-check."""
+    clock = Steps(lambda step: 2.0 if step % 10 == 0 else 0.111)
+    schedule = auto(clock, [(0.002, 0.02)] * 6)
+    run_timed(schedule, clock, range(1, 3001))
+    assert schedule.step_time == 0.111 and schedule.intervals == [{"from_step": 3, "every": 1},
+                                                                  {"from_step": 8, "every": 40}]  # fmt: skip
+
+
+def test_a_mid_run_slowdown_or_a_costlier_snapshot_moves_the_interval_and_says_why(caplog):
+    caplog.set_level(logging.INFO, logger="service")
+    """Steps slow from 10 ms to 100 ms at step 1000 (10x): the interval moves at the next check, to what 100 ms steps
+    give from the start. Then the snapshots cost 3x as much: it moves again. A 1.5x change moves nothing."""
+    cost = {"now": 0.05}  # 50 ms a snapshot: at 10 ms steps the time ceiling (60 s = 6,000 steps) binds
+
+    def times(step: int) -> float:
+        return 0.01 if step < 1000 else 0.15 if step >= 5000 else 0.1
+
+    clock = Steps(times)
+    costs: list = []
+    schedule = SnapshotSchedule("auto", 0, lambda: costs, agree=lambda p: p, clock=clock, cpu_clock=clock)
+    for step in range(1, 12_001):
+        clock.now += times(step)
+        costs.append((0.0, cost["now"]))
+        if step == 3000:
+            cost["now"] = 0.15
+        schedule.due(step)
+        if step == 999:
+            before = schedule.every
+        if step == 2999:
+            slowed = schedule.every
+    assert before == 1000  # 50 ms / 1000 = 0.05 ms, 0.5% of 10 ms
+    steady = Steps(lambda step: 0.1)
+    fresh = auto(steady, [(0.0, 0.05)] * 6)
+    run_timed(fresh, steady, range(1, AGREE + 1))
+    assert slowed == fresh.every == 100
+    assert schedule.every == 300  # 150 ms a snapshot at 100 ms steps; the 1.5x slower steps from 5000 move nothing
+    moves = [record["from_step"] for record in schedule.intervals]
+    assert moves[:2] == [3, 8] and 1000 < moves[2] <= 1000 + check_period(1000) and 3000 < moves[3] <= 3000 + 64
+    assert len(moves) == 4, schedule.intervals
+    lines = [r.getMessage() for r in caplog.records if "keeps measuring" in r.getMessage()]
+    assert len(lines) == 2 and "a step 10.0 ms -> 100.0 ms" in lines[0], lines
+    assert "a change of more than 2x" in lines[0] and "a change of more than 2x" in lines[1], lines
+    assert "not 1000" in lines[0] and "a snapshot 50.0 ms -> 150.0 ms" in lines[1], lines
+
+
+def test_the_time_ceiling_bounds_what_one_failure_loses_in_seconds():
+    """A 2 s snapshot at 100 ms steps would be every 4,000 steps (400 s) by its budget: the ceiling, 60 s by default
+    (checkpoint.snapshot_max_seconds), makes it every 600; at 5 s it is every 50; at 20 s steps, every 3; where one
+    step is longer than the ceiling, every step."""
+    for max_seconds, step_time, every in ((60, 0.1, 600), (5, 0.1, 50), (60, 20.0, 3), (10, 20.0, 1)):
+        clock = Steps(lambda step, step_time=step_time: step_time)
+        schedule = auto(clock, [(0.0, 2.0)] * 6, max_seconds=max_seconds)
+        due = run_timed(schedule, clock, range(1, 2001))
+        assert schedule.every == every, (max_seconds, step_time, schedule.every)
+        late = [step for step in due if step > AGREE]
+        assert all((b - a) * step_time <= max(max_seconds, step_time) for a, b in zip(late, late[1:], strict=False))
+
+
+def test_a_small_snapshot_is_taken_every_step_also_under_load():
+    """The built-in task's figures (2.1 ms a snapshot, 46 ms steps: every 10 at 0.5%) give every step; under load
+    the steps slow and the busy share falls, so it stays every step."""
+    # idle; a loaded node: slower steps and a slower boundary, less CPU each
+    for step_time, rate, cost in ((0.046, 1.0, (0.0011, 0.0017)), (0.16, 0.3, (0.0038, 0.0017))):
+        clock = Steps(lambda step, step_time=step_time: step_time)
+        schedule = SnapshotSchedule("auto", 0, lambda cost=cost: [cost] * 6, agree=lambda p: p, clock=clock,
+                                    cpu_clock=lambda clock=clock, rate=rate: clock.now * rate)  # fmt: skip
+        assert run_timed(schedule, clock, range(1, 501)) == list(range(3, 501))
+        assert schedule.every == 1 and schedule.intervals == [{"from_step": 3, "every": 1}]
+
+
+def test_the_re_checks_read_the_snapshots_done_and_never_wait_for_one_in_flight(tmp_path):
+    """The first agreement waits for the probe's last snapshot (once a start); the re-checks read what is done: a
+    64 MiB snapshot just taken is not waited for by ``recent``, and ``measured`` waits for it."""
+    model = torch.nn.Linear(4096, 4096)
+    writer = SnapshotWriter(area_for(tmp_path), HASH, "L", cuda=False)
+    writer.preflight(model)
+    writer.capture(1, lambda: {**state_at(1), "model": model.state_dict()})
+    assert writer.recent() == [] and writer.written == 0  # in flight: nothing waited for
+    assert len(writer.measured()) == 1 and writer.written == 1
+    writer.close()
+    calls = {"costs": 0, "recent": 0}
+
+    def read(kind: str) -> list:
+        calls[kind] += 1
+        return [(0.0, 0.05)] * 6
+
+    clock = Steps(lambda step: 0.01)
+    schedule = SnapshotSchedule("auto", 0, lambda: read("costs"), agree=lambda p: p, clock=clock, cpu_clock=clock,
+                                recent=lambda: read("recent"))  # fmt: skip
+    run_timed(schedule, clock, range(1, 2001))
+    assert calls == {"costs": 1, "recent": len(range(8 + 250, 2001, 250))}, calls
+
+
+timings = st.integers(min_value=1, max_value=40_000).map(lambda k: k / 1000)  # whole ms: read back to the ns
+
+
+@given(step=timings, blocked=st.floats(min_value=0.0, max_value=5.0),
+       background=st.floats(min_value=0.0, max_value=50.0), max_seconds=st.floats(min_value=0.5, max_value=3600.0),
+       prefix=st.lists(st.one_of(st.integers(0, 9).map(lambda k: k / 2**20),  # near-empty
+                                 st.integers(1, 20)), max_size=3))  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_the_interval_never_exceeds_its_ceiling_and_a_skewed_start_changes_nothing(step, blocked, background,
+                                                                                    max_seconds, prefix):  # fmt: skip
+    """Any steady step time, snapshot cost and ceiling, after any start of up to 3 near-empty or slow steps: the
+    interval is the unskewed one, at most MOST steps and ``max_seconds`` of steps (or 1), and within the budget
+    wherever the ceiling allows it (or a small snapshot, every step)."""
+    costs = [(blocked, background)] * 6
+    chosen = []
+    for first in ([], prefix):
+        times = [step * k if isinstance(k, int) else k for k in first]
+        clock = Steps(lambda n, times=times: times[n - 1] if n <= len(times) else step)
+        schedule = auto(clock, costs, max_seconds=max_seconds)
+        run_timed(schedule, clock, range(1, 400))
+        chosen.append(schedule.every)
+    every = chosen[0]
+    assert chosen[1] == every and 1 <= every <= MOST
+    assert every == 1 or every * step <= max_seconds
+    cost = blocked + background
+    if not small(cost, step) and every < max_seconds // step and every < MOST:
+        assert cost / every <= BUDGET * step
 
 
 @pytest.mark.parametrize(("every", "expected"), [(1, list(range(1, 13))), (4, [4, 8, 12]), (0, [])])
@@ -575,13 +775,15 @@ def test_interval_for_keeps_the_cost_within_the_budget_whenever_it_can_with_the_
                       min_size=1, max_size=8))  # fmt: skip
 def test_the_largest_proposal_keeps_every_node_within_its_budget(nodes):
     """Each node measures its own costs, step time and busy share; the agreed (largest) interval holds every node's
-    snapshots to its budget (0.5%) of its step time."""
+    snapshots to its budget (0.5%) of its step time, or, for a small snapshot taken every step, to 10% of it."""
     proposals = [propose([(blocked, background)], step_time, busy) for blocked, background, step_time, busy in nodes]
     agreed = max(proposals)
     assert agreed >= 1
     for blocked, background, step_time, busy in nodes:
         cost = typical_cost([(blocked, background)], busy)
-        if cost / MOST <= BUDGET * step_time:
+        if small(cost, step_time):
+            assert cost / agreed <= SMALL_SHARE * step_time and cost <= SMALL_SECONDS
+        elif cost / MOST <= BUDGET * step_time:
             assert cost / agreed <= BUDGET * step_time
 
 

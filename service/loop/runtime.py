@@ -121,6 +121,8 @@ class Runtime:
             config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
             agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
             ranks_here=world.local_world_size, cpus=usable_cpus(),
+            max_seconds=config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
+            recent=self.roles.snapshots.recent,
         )  # fmt: skip
         self.window = Window(self.device, sum_across(self.control),
                              lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
@@ -397,7 +399,12 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
             "failures": roles.checkpointer.failures,
             "best": roles.checkpointer.best.describe() if roles.checkpointer.best else None,
         },
-        "snapshots": {"written": snapshots.written, "skipped": snapshots.skipped, "every": rt.snapshot_schedule.every},
+        "snapshots": {
+            "written": snapshots.written,
+            "skipped": snapshots.skipped,
+            "every": rt.snapshot_schedule.every,
+            "intervals": list(rt.snapshot_schedule.intervals),
+        },  # fmt: skip
         "goodput": roles.goodput.finish(status),  # rank 0: the job's breakdown over every start (None else)
         "wall_seconds": round(seconds, 3),
         "samples_per_second": round(trained / seconds, 2) if seconds > 0 else None,

@@ -217,6 +217,10 @@ class Snapshots:
         background work (staging, serialisation, checksum, write)."""
         return []
 
+    def recent(self) -> list[tuple[float, float]]:
+        """:meth:`measured`'s costs of the snapshots done, without waiting for one in flight (``auto``'s re-checks)."""
+        return []
+
     def discard(self) -> None:
         """The job is over here (completed, preempted with its checkpoint saved, or failed for good)."""
 
@@ -303,6 +307,11 @@ class SnapshotWriter(Snapshots):
     def measured(self) -> list[tuple[float, float]]:
         if self._inflight is not None:
             self._inflight.exception()
+            self._collect()
+        return list(self.costs)
+
+    def recent(self) -> list[tuple[float, float]]:
+        if self._inflight is not None and self._inflight.done():
             self._collect()
         return list(self.costs)
 
