@@ -47,6 +47,7 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
     output = run_script(SCRIPT, 2, tmp_path / "straight", sets, (str(out), str(STEPS), "0.15"), str(REPO))
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == STEPS, output[-3000:]
+    assert straight["grad_accum"] == 4
     assert straight["nonfinite_steps"] >= 1  # the scaler skipped overflowing steps: its state matters on a resume
     digests = replica_digests(output)
     assert digests[0] == digests[1] == straight["model_digest"], output[-3000:]
@@ -91,3 +92,19 @@ def test_accumulation_matches_the_unaccumulated_step_and_an_evaluation_is_exact_
     out = tmp_path / "three"
     run_script(SCRIPT, 3, tmp_path / "run3", ("train.amp=off",), (str(out), "2", "0"), str(REPO))
     assert_evaluated(results(out, 3), read_summary(tmp_path / "run3"))
+
+
+def test_the_actor_critic_example_stops_every_rank_at_the_same_episode(tmp_path: Path) -> None:
+    """examples/actor_critic.py: episodes through s.steps(n), each rank its own environment (its numpy Generator and
+    running reward kept per rank); once the world's mean running reward passes the threshold (s.mean), both ranks
+    stop at the same step, before n, with equal replicas, and the run is completed with its checkpoint."""
+    sets = ("logging.all_ranks=true",)
+    output = run_script(REPO / "examples" / "actor_critic.py", 2, tmp_path / "run", sets,
+                        ("--episodes", "400", "--threshold", "14"), str(REPO))  # fmt: skip
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed" and summary["global_step"] < 400, output[-3000:]
+    assert output.count("solved at episode") == 1  # s.print: rank 0's
+    done = re.findall(r"\[rank (\d)\] INFO done: completed at step (\d+), model digest ([0-9a-f]{64})", output)
+    assert sorted(done) == [("0", str(summary["global_step"]), summary["model_digest"]),
+                            ("1", str(summary["global_step"]), summary["model_digest"])], output[-3000:]  # fmt: skip
+    assert summary["checkpoint"]["last"].endswith(f"step-{summary['global_step']:08d}.pt")

@@ -48,7 +48,11 @@ def _saved(kept: Kept) -> dict:
 
 
 def test_a_scripts_own_random_generators_are_kept_and_come_back_through_the_safe_loader():
-    rngs = {"torch_rng": torch.Generator().manual_seed(3), "py_rng": random.Random(3), "np_rng": np.random.default_rng(3)}
+    rngs = {
+        "torch_rng": torch.Generator().manual_seed(3),
+        "py_rng": random.Random(3),
+        "np_rng": np.random.default_rng(3),
+    }
     kept = Kept(None, 0, 1)
     kept.keep(rngs, False, "s.keep")
     torch.rand(1, generator=rngs["torch_rng"]), rngs["py_rng"].random(), rngs["np_rng"].random()  # move them

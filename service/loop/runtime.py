@@ -385,7 +385,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "epochs_completed": state.epochs_completed,
         "world_size": rt.world.world_size,
         "global_batch_size": feed.global_batch if feed is not None else None,
-        "grad_accum": micro_steps,
+        "grad_accum": max(micro_steps, rt.config.train.grad_accum),  # a session's: s.micro_batches
         "restarts": rt.world.restart_count,
         "max_restarts": rt.world.max_restarts,
         "nonfinite_steps": rt.nonfinite.skipped if rt.nonfinite is not None else 0,
