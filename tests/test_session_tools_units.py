@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from service.config import ConfigError, load_config
 from service.loop.kept import Kept
+from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
 from service.loop.roles import Console, LeadConsole
 from service.loop.session import Session, refuse_unused
-from service.loop.session_tools import CountFeed, ToolError, _numbers, split_batch
+from service.loop.session_tools import NONFINITE_FIX, CountFeed, ToolError, _numbers, split_batch
 from service.state.checkpoint_io import load_tensors
 
 
@@ -110,3 +111,16 @@ def test_overrides_merge_with_the_command_line_which_wins_and_leaves_the_scripts
     config = Session(overrides=["train.epochs=3", "train.max_steps=7"])._load_config()
     assert (config.train.epochs, config.train.max_steps, config.seed) == (5, 7, 9)
     assert sys.argv == ["train.py", "data.txt", "-v"]
+
+
+def test_a_sessions_non_finite_step_advises_only_what_a_session_takes(tmp_path):
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    guard = NonfiniteGuard("stop", None, torch.device("cpu"), tmp_path, (), 1)
+    guard.fix = NONFINITE_FIX  # what s.step sets
+    param.grad = torch.tensor([float("nan"), 1.0])
+    guard.step([param], optimizer, 1)
+    with pytest.raises(NonfiniteError) as raised:
+        guard.check(1)
+    text = str(raised.value)
+    assert "s.step(optimizer, max_norm=...)" in text and "train.lr" not in text and "train.grad_clip" not in text

@@ -38,6 +38,9 @@ from service.world.distributed import all_gather_bytes, barrier, sum_across
 log = logging.getLogger("service.loop.train")
 
 SCALER = "__scaler__"  # the fp16 gradient scaler's entry among the kept objects (no script names one so)
+# A non-finite step's advice for a session: what a session takes (train.lr and train.grad_clip it refuses).
+NONFINITE_FIX = ("Lower the optimizer's learning rate, pass s.step(optimizer, max_norm=...) to clip, or set "
+                 "train.nonfinite=skip to skip such steps")  # fmt: skip
 
 
 class ToolError(ValueError):
@@ -168,6 +171,7 @@ class SessionTools:
         self._use("step")
         if self._guard is None:
             self._guard = NonfiniteGuard.for_job(rt.config, rt.device, rt.total_steps, self._precision)
+            self._guard.fix = NONFINITE_FIX
             rt.nonfinite = self._guard  # summary.json counts its skips; no checkpoint of a non-finite step
         guard = self._guard
         guard.grad_clip = max_norm
