@@ -164,7 +164,9 @@ class SessionTools:
         given, checked per ``train.nonfinite`` (``stop``: the run fails naming the first non-finite step, no
         checkpoint of it; ``skip``: no update, counted in ``summary.json``'s ``nonfinite_steps``; under fp16 the
         scaler skips an overflowing step and lowers its scale), then ``optimizer.step()`` and the scaler's update.
-        Call ``optimizer.zero_grad()`` yourself. One call per optimizer per step; True when it stepped."""
+        Call ``optimizer.zero_grad()`` yourself. One call per optimizer per step; True when it stepped. Under fp16
+        each call updates the scaler's scale, so with two optimizers run each one's ``s.backward`` and ``s.step``
+        in turn (DCGAN's order), not both backwards first."""
         from service.loop.nonfinite import NonfiniteGuard
 
         rt = self._rt
