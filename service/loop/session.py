@@ -322,8 +322,8 @@ def refuse_unused(config: JobConfig) -> None:
     train, problems = config.train, []
     if train.grad_clip != "auto":
         problems.append(f"train.grad_clip={train.grad_clip}: the script steps its own optimizer, so clip in its step "
-                        "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) and leave train.grad_clip "
-                        "unset")  # fmt: skip
+                        "(s.step(optimizer, max_norm=...), or torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                        "max_norm) before optimizer.step()) and leave train.grad_clip unset")  # fmt: skip
     if train.lr_schedule != "auto":
         problems.append(
             f"train.lr_schedule={train.lr_schedule}: the script steps its own optimizer, so build its "
@@ -345,7 +345,7 @@ def refuse_unused(config: JobConfig) -> None:
                      ("weight_decay", f"{own}: pass weight_decay to it"),
                      ("min_lr", "the script builds its own schedule (keep it with s.keep)"),
                      ("warmup_steps", "the script builds its own schedule (keep it with s.keep)")):  # fmt: skip
-        if key in train.model_fields_set:
+        if getattr(train, key) != type(train).model_fields[key].default:  # a file spelling out defaults passes
             problems.append(f"train.{key}={getattr(train, key)}: {fix}; leave train.{key} unset")
     if problems:
         raise ConfigError(problems, "The job config, for a session,")
