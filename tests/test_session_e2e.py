@@ -246,6 +246,10 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
         "stream_without_max_steps": ("FeedError", r"a stream .* with no length.*Set train\.max_steps"),
         "keep_a_reserved_name": ("KeepError", r"'loop' is the name of one of the checkpoint's own entries"),
         "grad_clip_set": ("SystemExit", "2"),
+        "amp_without_backward": ("SystemExit", "2"),
+        "accum_without_micro_batches": ("SystemExit", "2"),
+        "lr_set": ("SystemExit", "2"),
+        "micro_batches_indivisible": ("ToolError", r"shape \(8, 4\) does not split into train\.grad_accum=3 equal"),
         "resume_unexpected_name": ("KeepError", r"holds no 'optG'.*Unexpected: optG\. Missing so far: netD\."),
         "resume_missing_name": ("KeepError", r"holds netD, which this run never kept.*Missing: netD\."),
     }
@@ -253,3 +257,7 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
         assert found[case] is not None and found[case][0] == kind, (case, found[case])
         assert re.search(pattern, found[case][1]), (case, found[case][1])
     assert "train.grad_clip=1.0: the script steps its own optimizer" in done.stderr
+    # #35.4: a setting only a session tool applies, with none used, is refused at the end of the first step
+    assert "train.amp=fp16: a session applies it through s.autocast() and s.backward(loss)" in done.stderr
+    assert "train.grad_accum=4: a session accumulates through `for mb in s.micro_batches(batch):`" in done.stderr
+    assert "train.lr=0.1: the script builds its own optimizer: pass the learning rate to it" in done.stderr

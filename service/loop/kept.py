@@ -78,6 +78,7 @@ class Kept:
             raise KeepError(f"{call}({', '.join(objects)}) came after {self.closed_for}: everything a resume must "
                             f"bring back has to be kept before that, so that it is in the first checkpoint and "
                             f"restored before the first step. Move the {call}(...) call above it.")  # fmt: skip
+        objects = {name: rng_kept(obj) for name, obj in objects.items()}
         for name, obj in objects.items():
             self._check(name, obj, call)
         for name, obj in objects.items():
@@ -95,8 +96,9 @@ class Kept:
         if not _has_state(obj):
             raise KeepError(
                 f"{call}({name}=...) got a {type(obj).__name__}, which has no state_dict() and "
-                "load_state_dict(): keep modules, optimizers, LR schedulers, GradScalers, or an object of "
-                "your own with those two methods (service.Carry holds any value, e.g. a hidden state)."
+                "load_state_dict(): keep modules, optimizers, LR schedulers, GradScalers, random "
+                "generators (torch.Generator, random.Random, numpy.random.Generator), or an object of your own with "
+                "those two methods (service.Carry holds any value, e.g. a hidden state)."
             )
 
     def _restore(self, name: str, obj: Any, per_rank: bool, call: str) -> None:
@@ -188,6 +190,49 @@ class Kept:
         """A kept module by name, or the first one."""
         found = self.shared.get(name) if name is not None else next(self.modules(), None)
         return found if isinstance(found, nn.Module) else None
+
+
+class KeptRNG:
+    """A script's own random generator as a kept object: ``torch.Generator``, ``random.Random`` or
+    ``numpy.random.Generator`` (a gymnasium env's ``np_random``). Its state is saved as tensors and strings, so a
+    resume loads it with the safe loader; the per-step seeding of torch's, ``random``'s and numpy's global generators
+    (:func:`service.loop.stepping.seed_step`) never touches such a generator, so keep it to resume exactly."""
+
+    def __init__(self, rng: Any) -> None:
+        self.rng = rng
+
+    def state_dict(self) -> dict[str, Any]:
+        import json
+        import random
+
+        rng = self.rng
+        if isinstance(rng, torch.Generator):
+            return {"torch": rng.get_state()}
+        if isinstance(rng, random.Random):
+            version, internal, gauss = rng.getstate()
+            return {"random": torch.tensor(internal, dtype=torch.int64), "version": version, "gauss": gauss}
+        return {"numpy": json.dumps(rng.bit_generator.state, default=lambda value: value.tolist())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import json
+
+        rng = self.rng
+        if isinstance(rng, torch.Generator):
+            rng.set_state(state["torch"])
+        elif "random" in state:
+            rng.setstate((state["version"], tuple(int(value) for value in state["random"].tolist()), state["gauss"]))
+        else:
+            rng.bit_generator.state = json.loads(state["numpy"])
+
+
+def rng_kept(obj: Any) -> Any:
+    """``obj`` itself, or a :class:`KeptRNG` around it when it is a random generator without a state_dict."""
+    import random
+
+    if isinstance(obj, (torch.Generator, random.Random)) or type(obj).__module__.startswith("numpy.random") and (
+            type(obj).__name__ == "Generator"):  # fmt: skip
+        return KeptRNG(obj)
+    return obj
 
 
 class Carry:

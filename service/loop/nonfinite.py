@@ -68,6 +68,7 @@ class NonfiniteGuard:
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
         self._overflows_from: int | None = None  # the first of the steps the scaler skipped in a row
         self._detail = ""
+        self.fix = "Lower train.lr, set train.grad_clip, or set train.nonfinite=skip to skip such steps"
 
     @classmethod
     def for_job(cls, config: JobConfig, device: torch.device, total_steps: int,
@@ -135,6 +136,5 @@ class NonfiniteGuard:
         last = str(self.checkpoints / state_name(good[0])) if good else "none (no checkpoint before that step)"
         raise NonfiniteError(
             f"The gradient norm at step {bad} is not finite (inf or nan): the loss diverged.{self._detail} The last "
-            f"good checkpoint is {last}. Lower train.lr, set train.grad_clip, or set train.nonfinite=skip to skip such "
-            "steps; a rerun resumes from that checkpoint."
+            f"good checkpoint is {last}. {self.fix}; a rerun resumes from that checkpoint."
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from service.config import JobConfig
 from service.loop.data import FileSampleTrace, SampleTrace
@@ -27,6 +30,30 @@ from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
 from service.world.env import WorldInfo
 
 
+class Console:
+    """A session's ``s.print`` and ``s.main_first`` on any rank but 0: prints nothing; runs a block after rank 0."""
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def first(self, wait: Callable[[], None]) -> Iterator[None]:
+        wait()
+        yield
+
+
+class LeadConsole(Console):
+    """Rank 0's: prints (flushed); runs a ``main_first`` block before the other ranks."""
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        builtins.print(*args, **{"flush": True, **kwargs})
+
+    @contextlib.contextmanager
+    def first(self, wait: Callable[[], None]) -> Iterator[None]:
+        yield
+        wait()
+
+
 @dataclasses.dataclass(frozen=True)
 class Roles:
     sink: MetricsSink
@@ -35,6 +62,7 @@ class Roles:
     trace: SampleTrace
     snapshots: Snapshots = dataclasses.field(default_factory=Snapshots)
     goodput: NoGoodput = dataclasses.field(default_factory=NoGoodput)  # rank 0's ledger, also in ``sink``
+    console: Console = dataclasses.field(default_factory=Console)  # a session's s.print, s.main_first
 
     def fence(self, vacant: Callable[[], bool]) -> None:
         """run_dir's lock was lost: no checkpoint there any more, and a summary only while no other job holds it."""
@@ -97,5 +125,11 @@ def build_roles(config: JobConfig, world: WorldInfo, total_steps: int | None, co
     snapshots = build_snapshots(snapshot_area, ckpt.snapshot_every, world.local_rank, config_hash, lineage,
                                 device_is_cuda)  # fmt: skip
     return Roles(
-        sink=sink, checkpointer=checkpointer, summary=summary, trace=trace, snapshots=snapshots, goodput=goodput
+        sink=sink,
+        checkpointer=checkpointer,
+        summary=summary,
+        trace=trace,
+        snapshots=snapshots,
+        goodput=goodput,
+        console=LeadConsole() if is_rank0 else Console(),
     )

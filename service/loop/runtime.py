@@ -136,6 +136,8 @@ class Runtime:
         self.start_samples = self.state.samples_seen
         self.summary: dict[str, Any] | None = None
         self.last_report: StepReport | None = None  # the last log line's numbers (a script's are its summary's)
+        self.evaluated: dict[str, float] = {}  # a script's s.log outside a step: its latest world means
+        self.resize_advice = "set train.global_batch_size to keep it constant across resizes"
         self._rank_kept: dict[str, Any] = {}
         self.watchdog = Watchdog.for_job(
             config,
@@ -263,10 +265,9 @@ class Runtime:
                 torch.cuda.set_rng_state_all(rng["cuda"])
             saved_batch = resumed.state.get("global_batch")
             if saved_batch is not None and saved_batch != feed.global_batch:
-                log.warning("the global batch changes from %d (world size %s) to %d (world size %d) at step %d; set "
-                            "train.global_batch_size to keep it constant across resizes", saved_batch,
-                            resumed.state.get("world_size"), feed.global_batch, self.world.world_size,
-                            resumed.step)  # fmt: skip
+                log.warning("the global batch changes from %d (world size %s) to %d (world size %d) at step %d; %s",
+                            saved_batch, resumed.state.get("world_size"), feed.global_batch, self.world.world_size,
+                            resumed.step, self.resize_advice)  # fmt: skip
         self.roles.goodput.restored(self.restore_seconds)
         self.started = time.perf_counter()  # summary.json's wall_seconds and samples_per_second: the training's own
 
@@ -386,13 +387,13 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "epochs_completed": state.epochs_completed,
         "world_size": rt.world.world_size,
         "global_batch_size": feed.global_batch if feed is not None else None,
-        "grad_accum": micro_steps,
+        "grad_accum": max(micro_steps, rt.config.train.grad_accum),  # a session's: s.micro_batches
         "restarts": rt.world.restart_count,
         "max_restarts": rt.world.max_restarts,
         "nonfinite_steps": rt.nonfinite.skipped if rt.nonfinite is not None else 0,
         "final_loss": None,
         "eval_metric": {"name": None, "value": None},
-        "eval_metrics": {},
+        "eval_metrics": dict(rt.evaluated),
         "logged": dict(rt.last_report.world_values) if rt.last_report is not None else {},
         "checkpoint": {
             "last": str(roles.checkpointer.last_path or "") or None,

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
+from service.loop.session_tools import SessionTools
 from service.state.preemption import EXIT_FAILED, EXIT_PREEMPTED, Preemption
 
 log = logging.getLogger("service.loop.train")
@@ -87,8 +88,9 @@ def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
     return path, overrides, rest
 
 
-class Session:
-    """The service around a script's own loop (module docstring). Public API: add, never rename."""
+class Session(SessionTools):
+    """The service around a script's own loop (module docstring); its tools (precision, accumulation, evaluation,
+    coordination, ``s.steps``) in :mod:`service.loop.session_tools`. Public API: add, never rename."""
 
     def __init__(self, config: str | Path | JobConfig | None = None, overrides: Sequence[str] = (),
                  env: Mapping[str, str] | None = None) -> None:  # fmt: skip
@@ -163,19 +165,21 @@ class Session:
             raise SystemExit(exc.exit_code) from None
         self.config, self.rank, self.world_size = config, world.rank, world.world_size
         self.local_rank, self.device = world.local_rank, self._runtime.device
+        self._tools_open()
 
     def _load_config(self) -> JobConfig:
-        given = self._config_arg
+        """The config given, the overrides given, then the command line's --config and --set (which win); those two
+        are taken off ``sys.argv``, so the script's own parser sees only its own arguments."""
+        path, given_overrides, rest = split_argv(sys.argv[1:])
+        sys.argv[1:] = rest
+        given = path if path is not None else self._config_arg
+        overrides = [*self._overrides, *given_overrides]
         if isinstance(given, JobConfig):
-            if not self._overrides:
+            if not overrides:
                 return given
-            data = apply_overrides(given.model_dump(mode="json", by_alias=True), self._overrides)
-            return build_config(data, "The session's config", {o.partition("=")[0]: o for o in self._overrides})
-        if given is None and not self._overrides:
-            path, overrides, rest = split_argv(sys.argv[1:])
-            sys.argv[1:] = rest  # the script's own parser sees only its own arguments
-            return load_config(path, overrides)
-        return load_config(given, self._overrides)
+            data = apply_overrides(given.model_dump(mode="json", by_alias=True), overrides)
+            return build_config(data, "The session's config", {o.partition("=")[0]: o for o in overrides})
+        return load_config(given, overrides)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:  # fmt: skip
@@ -246,11 +250,6 @@ class Session:
         world size; at another, left as built, with one warning naming them."""
         self._rt.keep(objects, True, "s.keep_rank")
 
-    def log(self, **scalars: Any) -> None:
-        """Scalars (numbers or 0-d tensors) for rank 0's world-mean log line, TensorBoard and Prometheus; a name in
-        ``checkpoint.best.metric`` ranks the checkpoints."""
-        self._rt.log(scalars, "s.log")
-
     @property
     def epoch_step(self) -> int:
         """Steps already taken in the current epoch: 0 at its start, the resumed position after a resume.
@@ -292,7 +291,7 @@ class Session:
         from service.loop.stepping import Hooks, steps
 
         rt = self._rt
-        hooks = Hooks(reported=self._reported)
+        hooks = Hooks(reported=self._reported, stepped=self._stepped)
         for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
             yield to_device(fed.batches[0], rt.device, non_blocking=True)
         if rt.stopped is not None:
@@ -317,12 +316,14 @@ class Session:
 
 
 def refuse_unused(config: JobConfig) -> None:
-    """Config keys a script's own loop cannot honour (it steps its own optimizer), when set: an error naming each."""
+    """Config keys a script's own loop cannot honour (it builds and steps its own optimizer), when set: an error naming
+    each and what replaces it. ``train.amp``, ``train.grad_accum`` and ``train.nonfinite`` are the session tools'
+    (:mod:`service.loop.session_tools`), refused at the first step when none of those tools applied them."""
     train, problems = config.train, []
     if train.grad_clip != "auto":
         problems.append(f"train.grad_clip={train.grad_clip}: the script steps its own optimizer, so clip in its step "
-                        "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) and leave train.grad_clip "
-                        "unset")  # fmt: skip
+                        "(s.step(optimizer, max_norm=...), or torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                        "max_norm) before optimizer.step()) and leave train.grad_clip unset")  # fmt: skip
     if train.lr_schedule != "auto":
         problems.append(
             f"train.lr_schedule={train.lr_schedule}: the script steps its own optimizer, so build its "
@@ -333,9 +334,19 @@ def refuse_unused(config: JobConfig) -> None:
                         "init_from is for task jobs")  # fmt: skip
     if train.strategy != "ddp":
         problems.append(f"train.strategy={train.strategy}: a session wraps its models in DDP")
-    if train.grad_accum != 1 or train.global_batch_size is not None:
-        problems.append("train.grad_accum / train.global_batch_size: a script accumulates in its own step; "
-                        "s.batches(dataset, batch_size) gives batch_size samples per rank per step")  # fmt: skip
+    if train.global_batch_size is not None:
+        problems.append(f"train.global_batch_size={train.global_batch_size}: s.batches(dataset, batch_size) gives "
+                        "batch_size samples per rank per step (the global batch is batch_size x s.world_size); "
+                        "accumulate with train.grad_accum and s.micro_batches(batch)")  # fmt: skip
+    own = "the script builds its own optimizer"
+    for key, fix in (("optimizer", f"{own} (e.g. torch.optim.AdamW(model.parameters(), lr=3e-4))"),
+                     ("lr", f"{own}: pass the learning rate to it"),
+                     ("momentum", f"{own}: pass momentum to it"),
+                     ("weight_decay", f"{own}: pass weight_decay to it"),
+                     ("min_lr", "the script builds its own schedule (keep it with s.keep)"),
+                     ("warmup_steps", "the script builds its own schedule (keep it with s.keep)")):  # fmt: skip
+        if getattr(train, key) != type(train).model_fields[key].default:  # a file spelling out defaults passes
+            problems.append(f"train.{key}={getattr(train, key)}: {fix}; leave train.{key} unset")
     if problems:
         raise ConfigError(problems, "The job config, for a session,")
 

@@ -219,6 +219,11 @@ def sum_across(group: Any) -> Callable[[Sequence[float]], list[float]]:
     return total
 
 
+def barrier(group: Any) -> None:
+    """A collective: returns once every rank of ``group`` has called it."""
+    dist.barrier(group=group)
+
+
 @contextlib.contextmanager
 def distributed(world: WorldInfo, requested_backend: str, timeout_seconds: int) -> Iterator[DistContext]:
     """The process group for the body of a ``with``, torn down safely however the body ends.

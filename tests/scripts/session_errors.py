@@ -84,7 +84,28 @@ def resume_missing_name(s):
         pass
 
 
+def plain_step(s):
+    net = s.model(nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    s.keep(net=net, opt=opt)
+    for x, y in s.batches(DATA, 8):
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+
+
+def micro_batches_indivisible(s):
+    net = s.model(nn.Linear(4, 1))
+    s.keep(net=net)
+    for batch in s.batches(DATA, 8):
+        for _ in s.micro_batches(batch):
+            pass
+
+
 CASES = {
+    "amp_without_backward": (plain_step, ("train.amp=fp16",)),
+    "accum_without_micro_batches": (plain_step, ("train.grad_accum=4",)),
+    "lr_set": (lambda s: None, ("train.lr=0.1",)),
+    "micro_batches_indivisible": (micro_batches_indivisible, ("train.grad_accum=3",)),
     "batches_before_keep": (batches_before_keep, ()),
     "keep_after_training_started": (keep_after_training_started, ()),
     "keep_without_state_dict": (keep_without_state_dict, ()),
