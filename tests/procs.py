@@ -85,3 +85,12 @@ def fork_server_workers(agent_pid: int) -> tuple[int, list[int]]:
         if b"multiprocessing.forkserver" in cmdline:
             return child, sorted(children.get(child, []))
     return 0, []
+
+
+def exit_after(seconds: float, code: int) -> None:
+    """A child process's target: sleep, then exit with ``code``."""
+    import sys
+    import time
+
+    time.sleep(seconds)
+    sys.exit(code)
