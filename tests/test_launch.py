@@ -629,3 +629,30 @@ def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_co
                           timeout=150)  # fmt: skip
     assert done.returncode == 3, (done.stdout + done.stderr)[-3000:]
     assert "launch: exit 3 (the workers' own exit code)" in done.stderr
+
+
+HELD_THEN_RELEASED = """
+import os, signal, sys, time
+from service import early
+early.hold()
+early.give_up_after(1.0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(float(sys.argv[1]))  # the script's own set-up before its Session
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the Session's handler
+early.release()
+print("delivered", got)
+"""
+
+
+@pytest.mark.e2e
+def test_a_held_signal_reaches_a_session_created_within_the_grace_and_ends_the_script_past_it():
+    """#36.3: a SIGTERM before a --script's Session is held for it (the Session gets it, the process goes on); one
+    that no Session takes within give_up_after's second ends the process with 128 + 15, about a second later."""
+    cmd = [sys.executable, "-c", HELD_THEN_RELEASED]
+    done = subprocess.run([*cmd, "0.2"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"delivered [{int(signal.SIGTERM)}]"), done.stderr
+    started = time.monotonic()
+    done = subprocess.run([*cmd, "30"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM and "delivered" not in done.stdout, done.stderr
+    assert time.monotonic() - started < 10
