@@ -344,8 +344,9 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         assert finish(proc, watcher) == 0, watcher.text()[-4000:]
     finally:
         kill_group(proc)
-        with contextlib.suppress(OSError):
-            os.kill(server, signal.SIGKILL)
+        if server > 0:  # never 0: os.kill(0, ...) signals this test's own process group
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
     print(f"SIGKILL to the cold restart's start with a stopped fork server: {cold - stopped_kill:.2f} s")
     summary = read_summary(tmp_path / "run")
     assert summary["resumed_from"]["source"] == "snapshot" and summary["model_digest"] == straight["model_digest"]
@@ -376,7 +377,7 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         assert not any(alive(pid) for pid in (server, *workers)), "the fork server or a worker outlived its agent"
     finally:
         kill_group(proc)
-        for pid in (server, *workers):
+        for pid in (pid for pid in (server, *workers) if pid > 0):  # never 0: that is this process group
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -419,8 +420,9 @@ def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts
         assert cold.exitcode == 4 and not alive(server)
         assert f"the fork server (pid {server}) is stopped" in caplog.text and "--no-fork-server" in caplog.text
     finally:
-        with contextlib.suppress(OSError):
-            os.kill(server, signal.SIGKILL)
+        if server:
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
         watched.COLD.why = None
 
 
