@@ -388,7 +388,8 @@ def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts
 ):
     """#36.3, in the agent's process without torch: a worker's exit code comes back through the fork server; with
     the fork server stopped, a SIGKILLed worker's exit (-9, from its zombie) is known at once, and the next start
-    kills the stopped server with a warning and starts a new interpreter instead (spawn), which runs to its code."""
+    kills the stopped server with a warning and starts a new interpreter instead (spawn), which runs to its code;
+    so does a start after the fork server died."""
     import multiprocessing
     from multiprocessing import forkserver, popen_forkserver
 
@@ -419,6 +420,22 @@ def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts
         cold.join(60)
         assert cold.exitcode == 4 and not alive(server)
         assert f"the fork server (pid {server}) is stopped" in caplog.text and "--no-fork-server" in caplog.text
+        assert "it preloads nothing" in caplog.text
+        # A fork server that died (here SIGKILLed) between two starts: the next start says so and goes cold.
+        watched.COLD.why = None
+        warm = context.Process(target=exit_after, args=(0.05, 0))
+        warm.start()  # a new fork server
+        warm.join(30)
+        server = forkserver._forkserver._forkserver_pid
+        assert warm.exitcode == 0 and isinstance(warm._popen, watched.WatchedPopen) and alive(server)
+        os.kill(server, signal.SIGKILL)
+        time.sleep(0.2)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="service.ops.launcher"):
+            cold = context.Process(target=exit_after, args=(0.05, 5))
+            cold.start()
+        cold.join(60)
+        assert cold.exitcode == 5 and f"the fork server (pid {server}) has exited" in caplog.text, caplog.text
     finally:
         if server:
             with contextlib.suppress(OSError):
