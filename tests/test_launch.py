@@ -650,6 +650,23 @@ def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_co
     assert "launch: exit 3 (the workers' own exit code)" in done.stderr
 
 
+@pytest.mark.e2e
+def test_an_uncaught_exception_in_the_start_form_under_launch_runs_the_excepthook_and_atexit(tmp_path):
+    """#35.1: a forked worker ran neither sys.excepthook nor atexit, so a `Session().start()` script that raised left
+    no summary and a stale lock. Now each worker ends as a program: the session's hook records the failure, its
+    traceback is printed, atexit runs, and the worker and launch exit 1."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(launch_cmd("--nproc-per-node=2", "--set", f"run_dir={run_dir}", "--script",
+                                     str(REPO / "tests" / "scripts" / "start_form.py"), "--", "raise"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "launch: exit 1 (failed)" in output, output[-4000:]
+    assert output.count("ValueError: the script's own error after its loop") >= 2, output[-4000:]  # each rank's
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and "the script's own error after its loop" in summary["error"], summary
+    assert not (run_dir / ".lock").exists(), "the lock was left behind"
+
+
 HELD_THEN_RELEASED = """
 import os, signal, sys, time
 from service import early
