@@ -9,6 +9,11 @@ handlers that only note the signal. Once the command has installed its own (the 
 ``train``, the launcher's), :func:`release` gives back what it did not replace and sends every noted signal to
 this process again, so it reaches the real handler as if it had come just then. Signals are process-wide, and so
 is this state.
+
+A script with its own loop (``launch --script``) may never create the ``Session`` that releases them: there
+:func:`give_up_after` bounds the hold. A stop signal that no session has taken within that many seconds ends the
+process as that signal would have (exit ``128 + signum``: 143 for SIGTERM, as a shell reports a worker that
+plain torchrun's SIGTERM ended). A session created in that time still gets every signal that came before it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,9 +36,24 @@ class _Held:
         self.previous: dict[signal.Signals, Any] = {}
         self.pending: list[signal.Signals] = []
         self.since: float | None = None  # time.time() at the program's first line (start-up's first mark)
+        self.grace: float | None = None  # give_up_after's bound; None: held until release
+        self.lock = threading.Lock()
 
     def note(self, signum: int, frame: FrameType | None) -> None:
         self.pending.append(signal.Signals(signum))
+        if self.grace is not None:
+            threading.Thread(target=self._expire, args=(signum, self.grace), name="held-signal", daemon=True).start()
+
+    def _expire(self, signum: int, after: float) -> None:
+        """``after`` seconds on, a signal still held ends the process, as its default action would have."""
+        time.sleep(after)
+        with self.lock:
+            if not self.previous:
+                return  # released: the command's own handler has it
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(128 + signum)
 
 
 _HELD = _Held()
@@ -74,6 +95,13 @@ def ignore() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def give_up_after(seconds: float) -> None:
+    """From now on, a held stop signal that :func:`release` has not delivered within ``seconds`` ends the process
+    with ``128 + signum`` (module docstring): a script that never creates a ``Session`` stops as fast as it would
+    without the hold."""
+    _HELD.grace = seconds
+
+
 def started() -> float | None:
     """``time.time()`` at the program's first line (:func:`hold`), or None when it did not run (a library use)."""
     return _HELD.since
@@ -82,8 +110,9 @@ def started() -> float | None:
 def release() -> list[signal.Signals]:
     """The command has its handlers: give back the ones it did not replace, then send each noted signal again.
     Returns the signals sent."""
-    previous, pending = _HELD.previous, list(_HELD.pending)
-    _HELD.previous, _HELD.pending = {}, []
+    with _HELD.lock:
+        previous, pending = _HELD.previous, list(_HELD.pending)
+        _HELD.previous, _HELD.pending = {}, []
     for sig, handler in previous.items():
         if signal.getsignal(sig) == _HELD.note:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)

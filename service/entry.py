@@ -58,11 +58,17 @@ def main(quick_success: bool = True) -> None:
     sys.exit(code)
 
 
+SCRIPT_HOLD_SECONDS = 1.0  # how long a held stop signal waits for a script's Session before it ends the script
+
+
 def run_script(path: str, args: list[str]) -> None:
     """A script with its own loop (``ddp-service launch --script``) in this process, as ``python PATH ARGS`` runs
     it: its folder first on ``sys.path``, run as ``__main__``; the stop signals held until its session has its
-    handlers (``service.Session`` releases them)."""
+    handlers (``service.Session`` releases them), but a signal that no session takes within
+    :data:`SCRIPT_HOLD_SECONDS` ends the script as it would without the hold (exit ``128 + signum``): a script
+    that never creates a ``Session``, or not yet, stops about as fast as under plain torchrun."""
     early.hold()
+    early.give_up_after(SCRIPT_HOLD_SECONDS)
     import os
     import runpy
     import sys

@@ -1,28 +1,35 @@
-"""What each worker of ``ddp-service launch`` runs, forked from its fork server (:mod:`service.ops.warm`):
-``python -m service train ...`` as :func:`service.entry.main` runs it, or, after ``--script PATH``, that script
-with its own loop (:func:`service.entry.run_script`). torchrun runs this file with ``runpy`` (``--run-path``).
+"""What each worker of ``ddp-service launch`` runs, forked from its fork server (:mod:`service.ops.warm`), or
+started as a new interpreter where the fork server cannot serve (:mod:`service.ops.watched`): ``python -m service
+train ...`` as :func:`service.entry.main` runs it, or, after ``--script PATH``, that script with its own loop
+(:func:`service.entry.run_script`). torchrun runs this file with ``runpy`` (``--run-path``).
 
-Like a worker started as a program, it has the stop signals' default actions and multiprocessing's default start
-method. A worker run as a function hands an exception to torch's agent, which keeps its text for its own report; a
-worker started as a program prints it. So the traceback is printed here first, as ``python`` would, and the
-launch's output shows why a worker failed."""
+Like a worker started as a program, it has the stop signals' default actions, multiprocessing's default start
+method and its own thread pool size, imports the job's task module or script itself (the fork server preloads only
+torch and the service: none of a user's module-level code runs there), and ends as a program ends
+(:func:`finish`): ``sys.excepthook`` for an uncaught exception, then the ``atexit`` handlers (a
+``Session().start()`` without ``with`` closes there), then the exit code a program would have. A multiprocessing
+child runs neither of those by itself."""
 
+import atexit
 import multiprocessing
 import os
 import sys
-import traceback
 
 from service import early
 
 early.hold(defaults=True)  # the fork server ignores the stop signals; a worker keeps them as a new one would
 from service.entry import main, run_script  # noqa: E402 (after the signals are held)
-from service.ops import fork_server  # noqa: E402 (imported in the fork server already: its state as at the fork)
-from service.world.env import STARTED_FOR  # noqa: E402
+from service.world.env import AGENT_PID, STARTED_FOR  # noqa: E402
 
-# The first start's workers count their start-up from the fork server's start: its imports were made for them, as
-# a worker started as a program makes them after its own start (the goodput ledger's start-up, summary.json's).
-if fork_server.STARTED is not None and fork_server.FORKS < int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1):
-    os.environ[STARTED_FOR] = f"{fork_server.STARTED:.3f}"
+# The goodput ledger's start-up of a first start counts from the agent's start, as a worker started as a program
+# would pay its interpreter and imports after the agent started it: the fork server's imports are made for it.
+# A restart counts from its own fork (or start).
+if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get(AGENT_PID, "").isdigit():
+    from service.telemetry.goodput import process_start_time
+
+    agent_started = process_start_time(os.environ[AGENT_PID])
+    if agent_started is not None:
+        os.environ[STARTED_FOR] = f"{agent_started:.3f}"
 
 # multiprocessing's default start method is the agent's ("forkserver", handed down with the fork); a worker's own
 # processes (a DataLoader's workers) start as a new interpreter's would, by this platform's default: a local
@@ -35,12 +42,43 @@ if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_T
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-try:
-    if sys.argv[1:2] == ["--script"]:
-        run_script(sys.argv[2], sys.argv[3:])
+
+def program_code(exc: SystemExit) -> int:
+    """The exit status ``python`` gives a ``SystemExit``: None is 0, an int is itself, anything else is printed to
+    stderr and is 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def finish(run: object) -> None:
+    """Run ``run()`` and end as a program does. A success returns (torchrun's agent counts a function worker done
+    once it has returned); an uncaught exception, after ``sys.excepthook`` and the ``atexit`` handlers, goes on to
+    torch's wrapper (its error file, exit 1); a ``SystemExit`` ends the process with its code."""
+    try:
+        run()  # type: ignore[operator]
+    except SystemExit as exc:
+        code = program_code(exc)
+    except BaseException as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        raise
     else:
-        main(quick_success=False)  # torchrun's agent counts a worker done once its function returned
-except Exception:
-    traceback.print_exc()
+        code = 0
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
     sys.stderr.flush()
-    raise
+    if code != 0:
+        raise SystemExit(code)
+
+
+# A program's sys.argv[0] is what it ran: the script (run_script sets it), or service's __main__.py for `train`.
+if sys.argv[1:2] == ["--script"]:
+    finish(lambda: run_script(sys.argv[2], sys.argv[3:]))
+else:
+    sys.argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+    finish(lambda: main(quick_success=False))

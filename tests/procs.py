@@ -98,3 +98,12 @@ def dead_pid() -> int:
             except ProcessLookupError:
                 return pid
     raise RuntimeError("no free process id below pid_max")
+
+
+def exit_after(seconds: float, code: int) -> None:
+    """A child process's target: sleep, then exit with ``code``."""
+    import sys
+    import time
+
+    time.sleep(seconds)
+    sys.exit(code)

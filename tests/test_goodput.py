@@ -505,10 +505,10 @@ def test_a_killed_worker_a_preemption_and_a_rerun_add_up_and_prometheus_follows(
     assert any(b - a > 2 for a, b in zip(scraped, scraped[1:], strict=False)), "no gap between starts was scraped"
 
 
-def test_a_first_start_under_launch_counts_its_start_up_from_the_fork_servers_start():
-    """``launch``'s fork server makes the imports for the first start's workers: service/worker.py puts its start
-    in DDP_SERVICE_STARTED_FOR, and the start-up counts from there, never from later than the process's own start;
-    anything else in the variable is ignored."""
+def test_a_first_start_under_launch_counts_its_start_up_from_the_agents_start():
+    """``launch``'s fork server makes the imports for the first start's workers: service/worker.py puts the agent's
+    start in DDP_SERVICE_STARTED_FOR, and the start-up counts from there, never from later than the process's own
+    start; anything else in the variable is ignored."""
     from service.world.env import STARTED_FOR, detect_world
 
     own = StartTimes.of(None, None, 0.0, 0).process_start

@@ -119,14 +119,15 @@ def test_bad_launch_options_are_refused_naming_the_option(argv, needle):
     assert needle in str(caught.value)
 
 
-codes = st.lists(st.sampled_from([1, 2, 75, -9, -15, 137]), max_size=4).map(tuple)
+codes = st.lists(st.sampled_from([1, 2, 3, 75, -9, -15, 137]), max_size=4).map(tuple)
 statuses = st.sampled_from([None, "completed", "preempted", "failed"])
 
 
 @given(codes, st.sampled_from([None, "SIGTERM", "SIGUSR1"]), statuses)
 def test_the_exit_code_tells_completed_preempted_bad_input_and_failed_apart(failed, sig, status):
     code = exit_code(Outcome(failed, sig, status))
-    assert code in (0, 1, 2, EXIT_PREEMPTED)
+    assert code in (0, 1, 2, 3, EXIT_PREEMPTED)
+    assert code != 3 or set(failed) == {3}  # a script's own exit code, when every failed worker had it (#35.1)
     assert (code == 0) == (not failed and sig is None and status in (None, "completed"))
     if status == "preempted" or (failed and set(failed) == {EXIT_PREEMPTED}):
         assert code == EXIT_PREEMPTED  # a checkpoint of the step exists: rerun to resume
@@ -134,6 +135,8 @@ def test_the_exit_code_tells_completed_preempted_bad_input_and_failed_apart(fail
         assert code == EXIT_PREEMPTED  # signalled before any worker wrote a summary: nothing failed
     elif 2 in failed:
         assert code == 2
+    elif failed and set(failed) == {3}:
+        assert code == 3
 
 
 def test_only_a_summary_written_by_this_start_counts(tmp_path):
@@ -283,20 +286,30 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
     """#26.2: launch's workers are forks of a fork server that imported torch, torch._dynamo and the service. One
     SIGKILLed mid-run is replaced by a fork of the same server (no new interpreter) that resumes from the snapshot
     of its last step and ends with an uninterrupted run's digest; the run_dir lock names the worker itself; and a
-    SIGKILL of the agent takes its fork server and every worker down with it (parent-death signals)."""
-    job = ("task=slow_tasks:slow_shapes", "task_options.sleep=0.04", "task_options.image_size=16",
-           "task_options.dropout=0.2", "train.max_steps=24", "train.epochs=10", "train.log_every=1",
+    SIGKILL of the agent takes its fork server and every worker down with it (parent-death signals).
+
+    #36.3, a warm start is a cold one: the task module reads RANK at its import (a KeyError in the fork server) and
+    starts a thread there; each worker of each start imports it itself, with its own RANK, LOCAL_WORLD_SIZE, argv,
+    cwd and a live thread. A fork server stopped by SIGSTOP neither hides a second SIGKILLed worker from the agent
+    nor holds up its restart: the agent learns the exit on the worker's pidfd, kills the stopped fork server with a
+    warning naming --no-fork-server, and starts the workers cold, which resume from the snapshot."""
+    job = ("task=import_probe_tasks:slow_shapes", "task_options.sleep=0.04", "task_options.image_size=16",
+           "task_options.dropout=0.2", "train.max_steps=40", "train.epochs=10", "train.log_every=1",
            "checkpoint.every_steps=1000")  # fmt: skip
     run_job(tmp_path / "straight", 2, *job)
     straight = read_summary(tmp_path / "straight")
     sets = [item for override in (*job, f"run_dir={tmp_path / 'run'}") for item in ("--set", override)]
     # OMP_NUM_THREADS unset, as in a user's shell: torchrun sets it to 1 for two processes per node after the fork
     # server imported torch, and the forked workers must size their thread pool by it as new interpreters would.
-    env = {key: value for key, value in child_env(PYTHONUNBUFFERED="1").items() if key != "OMP_NUM_THREADS"}
-    cmd = launch_cmd("--nproc-per-node=2", "--max-restarts=1", *sets)
+    probes = tmp_path / "imports"
+    probes.mkdir()
+    env = {key: value for key, value in child_env(PYTHONUNBUFFERED="1", IMPORT_PROBE_DIR=str(probes)).items()
+           if key != "OMP_NUM_THREADS"}  # fmt: skip
+    cmd = launch_cmd("--nproc-per-node=2", "--max-restarts=2", *sets)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     watcher = LineWatcher(proc)
+    server = 0
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 8/", timeout=120)
         assert re.search(r"process group up: attempt 0 .* intra-op threads=1$", watcher.text(), re.M), watcher.text()
@@ -313,25 +326,42 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
                 os.kill(pid, sig)
         time.sleep(1)
         assert all(alive(pid) for pid in (*helpers, *workers)), watcher.text()[-3000:]
-        starts = {pid: process_start_time(pid) for pid in (server, holder["pid"])}  # as the ledger reads its own
+        starts = {pid: process_start_time(pid) for pid in (proc.pid, holder["pid"])}  # as the ledger reads its own
         killed = time.time()
         os.kill(workers[0], signal.SIGKILL)
-        watcher.wait_for(r"process group up: attempt 1", timeout=60)
+        after_first = watcher.wait_for(r"process group up: attempt 1", timeout=60)
         again, restarted = fork_server_workers(proc.pid)
         assert again == server and len(restarted) == 2 and not set(restarted) & set(workers)  # forks of one server
+
+        watcher.wait_for(r"\[rank 0\] INFO step \d+/", timeout=60, after=after_first)  # a step of attempt 1
+        os.kill(server, signal.SIGSTOP)
+        stopped_kill = time.monotonic()
+        os.kill(restarted[1], signal.SIGKILL)
+        cold = watcher.wait_for(rf"the fork server \(pid {server}\) is stopped .*--no-fork-server", timeout=60)
+        assert cold - stopped_kill < 5.0, f"the restart waited {cold - stopped_kill:.1f} s on a stopped fork server"
+        watcher.wait_for(r"process group up: attempt 2", timeout=90)
+        assert not alive(server)  # the stopped fork server is gone, not left stopped behind the launch
         assert finish(proc, watcher) == 0, watcher.text()[-4000:]
     finally:
         kill_group(proc)
+        if server > 0:  # never 0: os.kill(0, ...) signals this test's own process group
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
+    print(f"SIGKILL to the cold restart's start with a stopped fork server: {cold - stopped_kill:.2f} s")
     summary = read_summary(tmp_path / "run")
     assert summary["resumed_from"]["source"] == "snapshot" and summary["model_digest"] == straight["model_digest"]
-    # The goodput ledger counts the first start's start-up from the fork server's start, since its imports were
-    # made for those workers (a worker started as a program pays them after its own start); a warm restart's
-    # from its own fork, after the kill.
+    seen = [json.loads(path.read_text()) for path in probes.glob("*.json")]
+    assert len(seen) == 6 and sorted(item["rank"] for item in seen) == [0, 0, 0, 1, 1, 1], seen  # 3 starts x 2
+    for item in seen:
+        assert item["local_world_size"] == 2 and item["cwd"] == str(REPO), item
+        assert item["argv"][0].endswith("service/__main__.py") and item["argv"][1] == "train", item
+    # The goodput ledger counts the first start's start-up from the agent's start, the fork server's imports
+    # included (a worker started as a program pays them after its own start); a restart's from its own fork.
     ledger = [json.loads(line) for line in (tmp_path / "run" / "goodput.jsonl").read_text().splitlines()]
     first = {record["process_start"] for record in ledger if record["pid"] == holder["pid"]}
     later = {record["process_start"] for record in ledger if record["pid"] != holder["pid"]}
-    assert len(first) == 1 and abs(first.pop() - starts[server]) < 0.05, (ledger, starts)
-    assert starts[holder["pid"]] - starts[server] > 0.5, starts  # the imports, in the fork server before the fork
+    assert len(first) == 1 and abs(first.pop() - starts[proc.pid]) < 0.05, (ledger, starts)
+    assert starts[holder["pid"]] - starts[proc.pid] > 0.5, starts  # torch's and the service's imports before
     assert later and min(later) >= killed - 0.05, (ledger, killed)
 
     proc, watcher = start("--nproc-per-node=2", *[item for o in (*job, f"run_dir={tmp_path / 'orphans'}")
@@ -347,9 +377,70 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
         assert not any(alive(pid) for pid in (server, *workers)), "the fork server or a worker outlived its agent"
     finally:
         kill_group(proc)
-        for pid in (server, *workers):
+        for pid in (pid for pid in (server, *workers) if pid > 0):  # never 0: that is this process group
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts_cold_past_a_stopped_server(
+    monkeypatch, caplog
+):
+    """#36.3, in the agent's process without torch: a worker's exit code comes back through the fork server; with
+    the fork server stopped, a SIGKILLed worker's exit (-9, from its zombie) is known at once, and the next start
+    kills the stopped server with a warning and starts a new interpreter instead (spawn), which runs to its code;
+    so does a start after the fork server died."""
+    import multiprocessing
+    from multiprocessing import forkserver, popen_forkserver
+
+    from procs import exit_after
+
+    from service.ops import watched
+
+    monkeypatch.setattr(popen_forkserver, "Popen", popen_forkserver.Popen)  # restored after the test
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", [])
+    watched.install(("nothing",))
+    context = multiprocessing.get_context("forkserver")
+    worker = context.Process(target=exit_after, args=(0.05, 3))
+    worker.start()
+    worker.join(30)
+    assert worker.exitcode == 3 and isinstance(worker._popen, watched.WatchedPopen)
+    worker = context.Process(target=exit_after, args=(600, 0))
+    worker.start()
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(server, signal.SIGSTOP)
+    try:
+        killed = time.monotonic()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        assert worker.exitcode == -signal.SIGKILL and time.monotonic() - killed < 1.0
+        cold = context.Process(target=exit_after, args=(0.05, 4))
+        with caplog.at_level("WARNING", logger="service.ops.launcher"):
+            cold.start()
+        cold.join(60)
+        assert cold.exitcode == 4 and not alive(server)
+        assert f"the fork server (pid {server}) is stopped" in caplog.text and "--no-fork-server" in caplog.text
+        assert "it preloads nothing" in caplog.text
+        # A fork server that died (here SIGKILLed) between two starts: the next start says so and goes cold.
+        watched.COLD.why = None
+        warm = context.Process(target=exit_after, args=(0.05, 0))
+        warm.start()  # a new fork server
+        warm.join(30)
+        server = forkserver._forkserver._forkserver_pid
+        assert warm.exitcode == 0 and isinstance(warm._popen, watched.WatchedPopen) and alive(server)
+        os.kill(server, signal.SIGKILL)
+        time.sleep(0.2)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="service.ops.launcher"):
+            cold = context.Process(target=exit_after, args=(0.05, 5))
+            cold.start()
+        cold.join(60)
+        assert cold.exitcode == 5 and f"the fork server (pid {server}) has exited" in caplog.text, caplog.text
+    finally:
+        if server:
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
+        watched.COLD.why = None
 
 
 def cmdline(pid: int) -> bytes:
@@ -528,3 +619,77 @@ def test_rank0_alone_logs_the_world_mean_loss_without_a_bar_and_a_refused_resume
     assert "Traceback" not in output and "launch: exit 2 (bad input" in output
     assert read_summary(run_dir)["global_step"] == 4  # nothing trained or written over
     print(f"refused resume: exit 2 in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.e2e
+def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_code_is_launchs(tmp_path):
+    """#36.3: under `launch --script` a worker holds the stop signals until its Session takes them, and a script
+    that never creates one held SIGTERM for good: torchrun's agent SIGKILLed it 30 s later. A held signal that no
+    Session takes within a second now ends the script as it would have (exit 143), and launch exits 75: signalled
+    before any summary, nothing saved, the rerun starts the script afresh. #35.1: a script's own sys.exit(3) in every
+    worker is launch's exit code too (it was 1)."""
+    script = str(REPO / "tests" / "scripts" / "no_session.py")
+    proc, watcher = start("--nproc-per-node=2", "--set", f"run_dir={tmp_path / 'run'}", "--script", script, "--",
+                          "sleep")  # fmt: skip
+    try:
+        ready = watcher.wait_for(r"^ready", timeout=120)
+        while watcher.text().count("ready\n") < 2:
+            assert time.monotonic() - ready < 30, watcher.text()[-3000:]
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert finish(proc, watcher, timeout=60) == EXIT_PREEMPTED, watcher.text()[-3000:]
+        took = time.monotonic() - signalled
+    finally:
+        kill_group(proc)
+    assert took < 5.0, f"the script ended {took:.1f} s after SIGTERM:\n{watcher.text()[-3000:]}"
+    print(f"a script with no Session ended {took:.2f} s after SIGTERM")
+    done = subprocess.run(launch_cmd("--nproc-per-node=2", "--set", f"run_dir={tmp_path / 'run'}", "--script", script,
+                                     "--", "3"), cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=150)  # fmt: skip
+    assert done.returncode == 3, (done.stdout + done.stderr)[-3000:]
+    assert "launch: exit 3 (the workers' own exit code)" in done.stderr
+
+
+@pytest.mark.e2e
+def test_an_uncaught_exception_in_the_start_form_under_launch_runs_the_excepthook_and_atexit(tmp_path):
+    """#35.1: a forked worker ran neither sys.excepthook nor atexit, so a `Session().start()` script that raised left
+    no summary and a stale lock. Now each worker ends as a program: the session's hook records the failure, its
+    traceback is printed, atexit runs, and the worker and launch exit 1."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(launch_cmd("--nproc-per-node=2", "--set", f"run_dir={run_dir}", "--script",
+                                     str(REPO / "tests" / "scripts" / "start_form.py"), "--", "raise"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "launch: exit 1 (failed)" in output, output[-4000:]
+    assert output.count("ValueError: the script's own error after its loop") >= 2, output[-4000:]  # each rank's
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and "the script's own error after its loop" in summary["error"], summary
+    assert not (run_dir / ".lock").exists(), "the lock was left behind"
+
+
+HELD_THEN_RELEASED = """
+import os, signal, sys, time
+from service import early
+early.hold()
+early.give_up_after(1.0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(float(sys.argv[1]))  # the script's own set-up before its Session
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the Session's handler
+early.release()
+print("delivered", got)
+"""
+
+
+@pytest.mark.e2e
+def test_a_held_signal_reaches_a_session_created_within_the_grace_and_ends_the_script_past_it():
+    """#36.3: a SIGTERM before a --script's Session is held for it (the Session gets it, the process goes on); one
+    that no Session takes within give_up_after's second ends the process with 128 + 15, about a second later."""
+    cmd = [sys.executable, "-c", HELD_THEN_RELEASED]
+    done = subprocess.run([*cmd, "0.2"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"delivered [{int(signal.SIGTERM)}]"), done.stderr
+    started = time.monotonic()
+    done = subprocess.run([*cmd, "30"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM and "delivered" not in done.stdout, done.stderr
+    assert time.monotonic() - started < 10

@@ -44,6 +44,15 @@ def script_cmd(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], a
     return [*cmd, *args]
 
 
+def launch_script_cmd(script: Path, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...]) -> list[str]:
+    """``ddp-service launch --script`` at 2 processes: its workers forked from the fork server."""
+    cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--max-restarts=0", "--script",
+           str(script)]  # fmt: skip
+    for override in (*QUICK, f"run_dir={run_dir}", *sets):
+        cmd += ["--set", override]
+    return [*cmd, "--", *args]
+
+
 def run_script(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
                expect: int = 0) -> str:  # fmt: skip
     done = subprocess.run(script_cmd(script, nproc, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
@@ -112,10 +121,28 @@ def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_pa
     assert best["metric"] == "loss_G" and 1 <= best["step"] <= 10
     assert_exports_one_kept_module(tmp_path / "straight", tmp_path)
 
-    first, resumed, text = preempt_and_rerun(script, tmp_path / "run", sets, args, pythonpath, at=5)
-    assert first["stopped_at_step"] < 62  # mid-epoch
-    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == first["stopped_at_step"]
-    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
+    # #35.1: dcgan's module-level `s = service.Session().start()` (no `with`) under `ddp-service launch --script`,
+    # whose workers are forks that never ran atexit: SIGTERM to the launcher at step 5 (exit 75), then a rerun
+    # under launch that ends as under torchrun: its final checkpoint, summary.json, the lock released, the digest.
+    run_dir = tmp_path / "run"
+    proc, watcher = watch_with(launch_script_cmd(script, run_dir, sets, args), pythonpath)
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 5/", timeout=180)
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, watcher, timeout=120) == 75, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    first = read_summary(run_dir)
+    assert first["status"] == "preempted" and 5 <= first["stopped_at_step"] < 10, watcher.text()[-4000:]
+    done = subprocess.run(launch_script_cmd(script, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
+                          env=child_env(PYTHONPATH=pythonpath), timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "launch: exit 0 (completed)" in output, output[-4000:]
+    resumed = read_summary(run_dir)
+    assert (resumed["status"], resumed["global_step"]) == ("completed", 10), output[-4000:]
+    assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
+    assert resumed["model_digest"] == straight["model_digest"], output[-4000:]
+    assert (run_dir / "checkpoints" / "step-00000010.pt").is_file() and not (run_dir / ".lock").exists()
 
 
 def assert_exports_one_kept_module(run_dir: Path, tmp_path: Path) -> None:

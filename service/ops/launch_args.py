@@ -97,7 +97,8 @@ Run the job under torchrun's agent in one command: torchrun [torchrun options] -
   - workers forked from a fork server that has imported torch and the service once, so a restart
     after a lost worker pays no interpreter start and no imports (--no-fork-server: torchrun's way);
   - one exit code for the job: 0 completed, 75 preempted (rerun the same command to resume),
-    2 bad input (a bad config or option, or a worker that refused its input), 1 failed.
+    2 bad input (a bad config or option, or a worker that refused its input), a --script's own
+    exit code when every failed worker had it, 1 failed.
 """
 
 

@@ -25,7 +25,8 @@ by torchrun's own ``get_args_parser()`` and the job runs through
 ``torch.distributed.run.run`` (``elastic_launch``). The config is validated
 before any worker starts. The exit code says how the job ended, from the
 workers' exit codes and this start's ``summary.json``: 0 completed, 75
-preempted (rerun to resume), 2 bad input, 1 failed.
+preempted (rerun to resume), 2 bad input, a ``--script``'s own exit code
+when every failed worker had it, 1 failed.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ class Outcome:
 
 
 def exit_code(outcome: Outcome) -> int:
-    """0 completed, 75 preempted (a checkpoint of the step is saved), 2 bad input, 1 failed.
+    """0 completed, 75 preempted (a checkpoint of the step is saved), 2 bad input, a script's own exit code, 1
+    failed.
 
     A signalled agent whose workers wrote no summary (the signal came in
-    start-up, in the rendezvous, or before any worker reached training) is
-    preempted too: nothing failed, and the rerun resumes from the newest
-    checkpoint.
+    start-up, in the rendezvous, before any worker reached training, or a
+    ``--script`` that never created a Session: nothing was saved, and the
+    rerun starts it afresh) is preempted too: nothing failed, and the rerun
+    resumes from the newest checkpoint. Workers that all exited with one code
+    from 3 to 127 (a script's own ``sys.exit(3)``) give that code; a signal's
+    death or codes that differ give 1.
     """
     codes = outcome.failed_codes
     if outcome.summary_status == "preempted" or (codes and all(code == EXIT_PREEMPTED for code in codes)):
@@ -89,6 +94,8 @@ def exit_code(outcome: Outcome) -> int:
         return EXIT_PREEMPTED
     if EXIT_BAD_INPUT in codes:
         return EXIT_BAD_INPUT
+    if len(set(codes)) == 1 and 2 < codes[0] < 128:
+        return codes[0]  # the script's own exit code, as its workers had it
     if codes or outcome.signal is not None or outcome.summary_status == "failed":
         return EXIT_FAILED
     return EXIT_COMPLETED
@@ -119,7 +126,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
             log.info("launch: %s while stopping for %s", type(exc).__name__, sigval.name)
         log.warning("launch: got %s before torchrun's agent started; no worker ran", sigval.name)
         code = exit_code(Outcome(signal=sigval.name))
-        log.info("launch: exit %d (%s)", code, _MEANING[code])
+        log.info("launch: exit %d (%s)", code, _MEANING.get(code, "the workers' own exit code"))
         return code
     finally:
         for sig, handler in previous.items():
@@ -152,7 +159,7 @@ def _launch(argv: Sequence[str], environ: Mapping[str, str], early: Mapping[sign
     for note in request.notes:
         log.info("%s", note)
     code = exit_code(run_agent(request, config, kept))
-    log.info("launch: exit %d (%s)", code, _MEANING[code])
+    log.info("launch: exit %d (%s)", code, _MEANING.get(code, "the workers' own exit code"))
     return code
 
 
@@ -180,7 +187,7 @@ def run_agent(request: LaunchRequest, config: JobConfig, kept: EarlySignals | No
         signal.signal(sig, handler)
     kept.check()  # a signal whose raise was lost while torch loaded: no agent, no worker
     if request.torchrun.fork_server:
-        warm_workers(request.torchrun, config.task)
+        warm_workers(request.torchrun)
     log.info("launch: torchrun %s", _describe(request.torchrun))
     done = threading.Event()
     watcher = threading.Thread(target=kept.redeliver, args=(done,), name="launch-signals", daemon=True)

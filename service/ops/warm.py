@@ -4,16 +4,23 @@ torchrun's agent starts every worker as a new interpreter (``python -m service t
 restart after a failure paid the interpreter, ``import torch`` (1.45 s of CPU) and the ``torch._dynamo`` that
 DDP's constructor imports (1.2 s), for every worker, before a step. ``launch`` has torchrun's own agent run its
 workers as a function instead (``--run-path`` with ``--start-method forkserver``: torch.distributed.run's
-``start_processes``, no process manager of our own), from a fork server that imports torch, ``torch._dynamo``,
-the service and the job's task module once (``multiprocessing.set_forkserver_preload``), and which the agent
-starts while it waits in its first rendezvous. A restarted worker is a fork of it: no interpreter start, no
-imports.
+``start_processes``, no process manager of our own), from a fork server that imports torch, ``torch._dynamo`` and
+the service once (``multiprocessing.set_forkserver_preload``), and which the agent starts while it waits in its
+first rendezvous. A restarted worker is a fork of it: no interpreter start, none of those imports.
+
+A warm start is a cold one, faster: the fork server never imports the job's task module or a ``--script``
+script, so none of a user's module-level code runs there. Each worker imports them itself after the fork, with its
+own environment (``RANK``, ``LOCAL_WORLD_SIZE``), ``sys.argv``, cwd and threads, exactly as under torchrun; it
+ends as a program does (``sys.excepthook``, the ``atexit`` handlers, its exit code: ``service/worker.py``). The
+agent watches each worker on its own pidfd and starts workers cold where the fork server is gone, stopped or
+frozen (:mod:`service.ops.watched`), so it learns of an exit within a second whatever the fork server's state.
 
 What stays as it was, checked by the tests: a worker still dies with its agent (the fork server exits when the
 agent does, and each worker's parent-death signal follows it), signals and exit codes (75 on preemption), the
 run_dir lock's process id (the worker's own), and the node's in-memory snapshots (keyed by the agent, which the
-workers learn from ``DDP_SERVICE_AGENT_PID``: their parent is the fork server now). Plain ``torchrun -m service
-train`` starts its workers as before.
+workers learn from ``DDP_SERVICE_AGENT_PID``: their parent is the fork server now). The goodput ledger's
+``startup`` of the first start counts from the agent's start, the fork server's imports included. Plain
+``torchrun -m service train`` starts its workers as before.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 from pathlib import Path
 
 from service import early
+from service.ops import watched
 from service.world.env import AGENT_PID
 
 log = logging.getLogger("service.ops.launcher")
@@ -44,13 +52,7 @@ class _NoJoinTraceback(logging.Filter):
         return True
 
 
-def task_module(task: str) -> list[str]:
-    """The module of a ``package.module:function`` task (a built-in task's module is the service's)."""
-    module, sep, _ = task.partition(":")
-    return [module] if sep and module else []
-
-
-def warm_workers(namespace: argparse.Namespace, task: str) -> None:
+def warm_workers(namespace: argparse.Namespace) -> None:
     """Have torchrun's agent (its parsed ``namespace``) run the workers as a function from a preloaded fork server:
     ``--run-path service/worker.py [--script PATH] ARGS``, ``--start-method forkserver``; start the fork server now,
     so its imports overlap the agent's rendezvous."""
@@ -60,8 +62,9 @@ def warm_workers(namespace: argparse.Namespace, task: str) -> None:
     import signal
 
     os.environ[AGENT_PID] = str(os.getpid())  # the fork server and its workers inherit it
-    modules = [FORK_SERVER, *PRELOAD, *task_module(task)]
+    modules = [FORK_SERVER, *PRELOAD]  # never the job's task module or script: each worker imports its own
     multiprocessing.set_forkserver_preload(modules)
+    watched.install(tuple(modules))
     args = list(namespace.training_script_args)
     if not namespace.module:  # --script: a script with its own loop
         args = ["--script", str(namespace.training_script), *args]

@@ -53,8 +53,9 @@ class WorldInfo:
     # The process that restarts this one: torchrun's agent, or slurmstepd, is its parent, unless the parent is a
     # fork server the agent runs (``ddp-service launch``), which names the agent in DDP_SERVICE_AGENT_PID.
     agent_pid: int | None = None
-    # A first start under ``ddp-service launch``: the Unix time its fork server started. Its imports were made for
-    # this start, so the start-up counts from there (a worker started as a program pays them after its own start).
+    # A first start under ``ddp-service launch``: the Unix time its agent started. The fork server's imports were
+    # made for this start, so the start-up counts from there (a worker started as a program pays them after its
+    # own start).
     started_for: float | None = None
 
     @property
@@ -329,7 +330,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
 
 
 AGENT_PID = "DDP_SERVICE_AGENT_PID"
-STARTED_FOR = "DDP_SERVICE_STARTED_FOR"  # set by service/worker.py in the first workers a fork server forks
+STARTED_FOR = "DDP_SERVICE_STARTED_FOR"  # set by service/worker.py in a launch's first workers: the agent's start
 
 
 def detect_world(env: Mapping[str, str]) -> WorldInfo:
