@@ -280,16 +280,23 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
 ONE = (*SLOW, "task_options.sleep=0", "train.epochs=10", "checkpoint.every_steps=4")
 
 
+def lineages(run_dir: Path) -> set[str]:
+    return {json.loads(path.read_text())["lineage"] for path in (run_dir / "checkpoints").glob("step-*.json")}
+
+
 def test_e_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """... and the resumed start (checkpoint.resume=auto) carries the job's lineage on, so its checkpoint.keep=2
+    prunes the earlier start's step 4 along with its own (issue 39, 8: a fresh lineage saw only its own)."""
     run_dir = tmp_path / "run"
     run_job(run_dir, 1, *ONE, "train.max_steps=8")
+    (lineage,) = lineages(run_dir)
     newest = run_dir / "checkpoints" / "step-00000008.pt"
     newest.write_bytes(newest.read_bytes()[:-100])
-    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12")
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", "checkpoint.keep=2")
     assert "skipping checkpoint" in proc.stdout and "step-00000008.pt" in proc.stdout
     summary = read_summary(run_dir)
     assert summary["resumed_from"]["step"] == 4 and summary["global_step"] == 12
-    assert manifest_steps(run_dir)[-1] == 12
+    assert manifest_steps(run_dir) == [8, 12] and lineages(run_dir) == {lineage}
 
 
 def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_path):
