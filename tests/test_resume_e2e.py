@@ -255,9 +255,13 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
 
 
 def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
-    """SIGUSR1 to rank 1 only: one all-reduce tells rank 0, which saves; both exit 75 (preempted)."""
+    """SIGUSR1 to rank 1 only: one all-reduce tells rank 0, which saves; both exit 75 (preempted). With a background
+    checkpoint due at every step, the stopped step's is the end's, written at once: the agreement comes before the
+    periodic save at the boundary (issue 39, 1: after it, the stop waited for that step's background save). 1024
+    samples: no epoch's end (whose stop check comes after its last step's save) near the stop."""
     run_dir = tmp_path / "run"
     proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=200", "train.epochs=100", "task_options.sleep=0.02",
+                          "task_options.train_size=1024", "checkpoint.every_steps=1", "checkpoint.async=true",
                           launcher=("--standalone", "--max-restarts=0"))  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=120)  # step 3's all-reduce: rank 1 is training too
@@ -274,6 +278,8 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
         assert f"[rank {rank}] WARNING preempted: stopped at step {stopped} " in text
     assert "exitcode: 75" in text or "exitcode  : 75" in text, text[-3000:]
     assert manifest_steps(run_dir)[-1] == stopped
+    saves = re.findall(rf"checkpoint saved: \S+step-{stopped:08d}\.pt \(.*\)", text)
+    assert len(saves) == 1 and "background" not in saves[0], saves
 
 
 # One-process jobs on the damaged, hostile or mismatched run_dirs a resume meets.
