@@ -1,9 +1,11 @@
-"""Issue 25 under real torchrun: scripts that keep their own loop (``service.Session``), each interrupted by a
-SIGTERM to one worker mid-epoch and rerun, ends with an uninterrupted run's digest.
+"""Issue 25 under real torchrun: scripts that keep their own loop (``service.Session``), each interrupted mid-epoch
+(a SIGTERM to one worker and a rerun; the TBPTT one a SIGKILL, resumed in place from an in-memory snapshot), end
+with an uninterrupted run's digest.
 
 - DCGAN (pytorch/examples, 9 lines changed): two models, two Adam optimizers, alternating updates in one step;
 - the word language model's truncated BPTT (14 lines changed): each rank its own share of the corpus, in order,
-  with its hidden state carried from step to step (``keep_rank``) and its hand-annealed learning rate kept;
+  with its hidden state carried from step to step (``keep_rank``, in the snapshot) and its hand-annealed learning
+  rate kept;
 - nanoGPT on a Hugging Face ``datasets`` stream of local JSON-lines files, read by two loader workers a rank.
 """
 
