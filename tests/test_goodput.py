@@ -4,6 +4,7 @@ real job through a SIGKILLed worker, a preemption and a rerun, scraped by a real
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -193,6 +194,72 @@ def test_the_streamed_and_the_compacted_ledger_fold_as_the_whole_one(tmp_path_fa
     compact(path, starts)
     assert len(path.read_bytes().splitlines()) == len(starts) and set(read_ledger(path)) == set(starts)
     assert fold(read_ledger(path)) == whole and read_starts(path) == starts
+
+
+def starts_ledger(path: Path, starts: int, records_each: int = 2) -> list[Record]:
+    """A ledger of ``starts`` starts (pids 1, 2, ... in the order they began), ``records_each`` records each, the
+    starts' records interleaved as restarts never write them but a reader must take them; the last of each."""
+    lines = [record(pid, T0 + 100 * pid, T0 + 100 * pid + 10 * (k + 1)) for k in range(records_each)
+             for pid in range(1, starts + 1)]  # fmt: skip
+    path.write_bytes(b"".join(line.model_dump_json().encode() + b"\n" for line in lines))
+    return lines[-starts:]
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1], ids=["one-under", "exactly-at", "one-over"])
+def test_the_start_cap_keeps_at_most_its_starts_and_compaction_keeps_what_it_did_not_read(tmp_path, caplog, over):
+    """Issue 39 (9, 10): MAX_STARTS, lowered to 3. One under and exactly at the cap, every start is read; one over,
+    the first 3 only, with the warning. Compaction rewrites only a ledger read below the cap: a read that reached it
+    may have stopped there (it does, at the first record of a start over the cap), and rewriting the file as what it
+    read would drop the starts it never read."""
+    cap = 3
+    path = tmp_path / LEDGER
+    last = starts_ledger(path, cap + over)
+    before = path.read_bytes()
+    with caplog.at_level(logging.WARNING):
+        starts = read_starts(path, most=cap)
+    assert [r.pid for r in starts] == [1, 2, 3][: cap + over]  # the read stops at the first record over the cap
+    if over <= 0:
+        assert starts == last
+    assert ("holds more than 3 starts" in caplog.text) == (over > 0)
+    compact(path, starts, most=cap)
+    if over < 0:
+        assert read_ledger(path) == last  # compacted: the last record of each start, nothing else
+    else:
+        assert path.read_bytes() == before  # left alone: every start it holds is still there
+    assert {r.start_id for r in read_ledger(path)} == {r.start_id for r in last}
+
+
+@settings(max_examples=100, deadline=None)
+@given(ledgers(), st.integers(1, 5))
+def test_compaction_at_any_cap_never_drops_a_start_and_keeps_each_starts_last_record(tmp_path_factory, ledger, cap):
+    """Issue 39 (10): for any ledger and any cap, reading then compacting keeps every start the ledger held, each
+    with its newest record: the fold of the ledger is the same before and after."""
+    lines, torn = ledger
+    path = tmp_path_factory.mktemp("ledger") / LEDGER
+    path.write_bytes(b"".join((line.model_dump_json().encode() if isinstance(line, Record) else line) + b"\n"
+                              for line in lines) + torn)  # fmt: skip
+    whole = read_ledger(path)
+    compact(path, read_starts(path, most=cap), most=cap)
+    after = read_ledger(path)
+    assert {r.start_id for r in after} == {r.start_id for r in whole}
+    assert fold(after) == fold(whole)
+
+
+def test_a_last_line_without_its_newline_is_skipped_even_when_it_is_a_whole_record(tmp_path, caplog):
+    """Issue 39 (12), decided in the ledger's docstring: a record is a line with its newline. A whole, valid record
+    as the last line without one (a write that did not finish) is skipped, counted in the warning, as the next
+    start's append would leave it (glued to that start's first record); with its newline it is read."""
+    path = tmp_path / LEDGER
+    first, second = record(1, T0, T0 + 5), record(2, T0 + 10, T0 + 20)
+    path.write_bytes(first.model_dump_json().encode() + b"\n" + second.model_dump_json().encode())
+    with caplog.at_level(logging.WARNING):
+        assert read_ledger(path) == [first] and read_starts(path) == [first]
+    assert "skipped 1 line(s)" in caplog.text
+    with open(path, "ab") as file:  # the next start's first record, as GoodputSink appends it
+        file.write(record(3, T0 + 30, T0 + 31).model_dump_json().encode() + b"\n")
+    assert read_ledger(path) == [first]  # the same view of the earlier starts: no record came and went
+    path.write_bytes(first.model_dump_json().encode() + b"\n" + second.model_dump_json().encode() + b"\n")
+    assert read_ledger(path) == [first, second]
 
 
 def ledger_of_one_start(path: Path, lines: int) -> Record:

@@ -259,9 +259,13 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
 
 
 def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
-    """SIGUSR1 to rank 1 only: one all-reduce tells rank 0, which saves; both exit 75 (preempted)."""
+    """SIGUSR1 to rank 1 only: one all-reduce tells rank 0, which saves; both exit 75 (preempted). With a background
+    checkpoint due at every step, the stopped step's is the end's, written at once: the agreement comes before the
+    periodic save at the boundary (issue 39, 1: after it, the stop waited for that step's background save). 1024
+    samples: no epoch's end (whose stop check comes after its last step's save) near the stop."""
     run_dir = tmp_path / "run"
     proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=200", "train.epochs=100", "task_options.sleep=0.02",
+                          "task_options.train_size=1024", "checkpoint.every_steps=1", "checkpoint.async=true",
                           launcher=("--standalone", "--max-restarts=0"))  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=120)  # step 3's all-reduce: rank 1 is training too
@@ -278,22 +282,31 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
         assert f"[rank {rank}] WARNING preempted: stopped at step {stopped} " in text
     assert "exitcode: 75" in text or "exitcode  : 75" in text, text[-3000:]
     assert manifest_steps(run_dir)[-1] == stopped
+    saves = re.findall(rf"checkpoint saved: \S+step-{stopped:08d}\.pt \(.*\)", text)
+    assert len(saves) == 1 and "background" not in saves[0], saves
 
 
 # One-process jobs on the damaged, hostile or mismatched run_dirs a resume meets.
 ONE = (*SLOW, "task_options.sleep=0", "train.epochs=10", "checkpoint.every_steps=4")
 
 
+def lineages(run_dir: Path) -> set[str]:
+    return {json.loads(path.read_text())["lineage"] for path in (run_dir / "checkpoints").glob("step-*.json")}
+
+
 def test_e_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """... and the resumed start (checkpoint.resume=auto) carries the job's lineage on, so its checkpoint.keep=2
+    prunes the earlier start's step 4 along with its own (issue 39, 8: a fresh lineage saw only its own)."""
     run_dir = tmp_path / "run"
     run_job(run_dir, 1, *ONE, "train.max_steps=8")
+    (lineage,) = lineages(run_dir)
     newest = run_dir / "checkpoints" / "step-00000008.pt"
     newest.write_bytes(newest.read_bytes()[:-100])
-    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12")
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", "checkpoint.keep=2")
     assert "skipping checkpoint" in proc.stdout and "step-00000008.pt" in proc.stdout
     summary = read_summary(run_dir)
     assert summary["resumed_from"]["step"] == 4 and summary["global_step"] == 12
-    assert manifest_steps(run_dir)[-1] == 12
+    assert manifest_steps(run_dir) == [8, 12] and lineages(run_dir) == {lineage}
 
 
 def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_path):

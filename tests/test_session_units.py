@@ -1,25 +1,45 @@
 """Issue 25's pure parts: what is kept and how it comes back, the faithful defaults, the session's command line and
-the feeds' plans; no process group, no torchrun (tests/test_session_e2e.py runs the real programs)."""
+the feeds' plans; no torchrun (tests/test_session_e2e.py runs the real programs). Issue 39's: the step boundary's
+order, a break's step, the feed cache, a stream's plans and a snapshot's per-rank state, on the real loop functions
+with a stand-in for the runtime's outside (a process group of one in memory where a collective runs)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import MagicMock
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from service.config import ConfigError, load_config
-from service.loop.feeds import map_plan
+from service.config import ConfigError, DataConfig, load_config
+from service.loop.feeds import MapFeed, StreamFeed, map_plan
+from service.loop.job import LoopState
 from service.loop.kept import Carry, KeepError, Kept, Variables
 from service.loop.optim import clip_setting, describe_defaults, schedule_setting
+from service.loop.runtime import Runtime
 from service.loop.sampler import epoch_order
-from service.loop.session import refuse_unused, split_argv
+from service.loop.session import Session, refuse_unused, split_argv
+from service.loop.stepping import Hooks, steps
+from service.state.snapshot_interval import SnapshotSchedule
 from service.tasks.base import Task
 
 DATA = [(torch.zeros(2), torch.zeros(1))] * 4
+
+
+@pytest.fixture
+def world_of_one():
+    """A process group of one in this process (an in-memory store): the gather's collectives run for real."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
 
 
 def saved(kept: Kept) -> dict:
@@ -150,3 +170,141 @@ def test_a_sessions_plan_hands_every_rank_whole_samples_and_no_sample_twice(leng
     assert len(seen) in ((full,) if drop else (full, length))
     if not shuffle:
         assert epoch_order(length, 7, 0, False).tolist() == list(range(length))
+
+
+# --- issue 39: the step boundary, the session's feeds and a stream's plans, on stand-ins for the runtime ----------
+
+
+def loop_stub(total_steps: int, preempt_at: int | None = None) -> tuple[Any, list[tuple[str, int]]]:
+    """A runtime for :func:`service.loop.stepping.steps` with no process group: the real loop state and the real
+    step boundary; what it calls out to records itself in ``calls`` (evaluations, saves, the end)."""
+    calls: list[tuple[str, int]] = []
+    rt = MagicMock()
+    rt.state, rt.total_steps, rt.stopped, rt.in_flight, rt.summary = LoopState(), total_steps, None, None, None
+    rt.config = load_config(None, ["train.log_every=1000"])
+    rt.world.rank, rt.device = 0, torch.device("cpu")
+    rt.preemption.stop_here.return_value = None
+    rt.preemption.stop_now.side_effect = lambda: "preempted" if rt.state.global_step == preempt_at else None
+    rt.save_due.side_effect = lambda step: calls.append(("save_due", step))
+    rt.finish.side_effect = lambda status: calls.append((status, rt.state.global_step))
+    return rt, calls
+
+
+def map_feed(length: int = 12, batch: int = 2) -> MapFeed:
+    return MapFeed(TensorDataset(torch.arange(length)), map_plan(range(length), 0, batch, 1, 0, True, False, True),
+                   DataConfig(), 0, None)  # fmt: skip
+
+
+def test_a_preempted_step_is_counted_and_skips_its_evaluation_and_its_periodic_save():
+    """Issue 39 (1): at the boundary the preemption agreement comes before the loop's evaluation and the periodic
+    checkpoint and snapshot: a preempted step is kept (counted; its checkpoint is the end's), but neither evaluated
+    nor saved twice. (The agreement moved after them: a stop paid an evaluation and a save first.)"""
+    rt, calls = loop_stub(total_steps=6, preempt_at=3)
+    hooks = Hooks(boundary=lambda: calls.append(("eval", rt.state.global_step)) or None)
+    taken = [fed.plan.start for fed in steps(rt, map_feed(), hooks)]
+    assert taken == [0, 2, 4] and rt.stopped == "preempted" and rt.state.global_step == 3
+    assert calls == [("eval", 1), ("save_due", 1), ("eval", 2), ("save_due", 2)]
+
+
+def test_a_break_after_a_steps_body_counts_that_step_at_the_sessions_end():
+    """Issue 39 (3): a script that leaves ``for batch in s.batches(...)`` with a ``break`` after its step's body
+    trained that step: the session's end counts it (its data position, its samples) before the last checkpoint."""
+    rt, calls = loop_stub(total_steps=6)
+    session = Session()
+    session._runtime = rt
+    for taken, _ in enumerate(session._batches(map_feed()), 1):
+        if taken == 3:
+            break
+    session.close()
+    assert calls == [("save_due", 1), ("save_due", 2), ("completed", 3)]
+    assert (rt.state.global_step, rt.state.cursor, rt.state.samples_seen) == (3, 6, 6)
+
+
+def test_a_second_s_batches_with_another_drop_last_is_another_feed_which_the_run_refuses():
+    """Issue 39 (4): the session's feeds are cached by what makes them; ``drop_last`` is part of that, so a second
+    ``s.batches`` with another ``drop_last`` gets its own feed, whose signature differs (the runtime refuses it,
+    naming drop_last) instead of silently reusing the first one's plan."""
+    rt = SimpleNamespace(config=load_config(None), world=SimpleNamespace(world_size=1, rank=0), control=None,
+                         label="script", resumed=None)  # fmt: skip
+    session = Session()
+    session._runtime = rt
+    data = list(range(7))
+    dropped = session._feed(data, 2, None, False, True, True)
+    assert session._feed(data, 2, None, False, True, True) is dropped  # the same call: the same feed
+    kept = session._feed(data, 2, None, False, True, False)
+    assert kept is not dropped and kept.plan.tail == "keep" and dropped.plan.tail == "drop"
+    assert kept.signature() != dropped.signature()
+    assert (dropped.plan.steps_in_epoch(0), kept.plan.steps_in_epoch(0)) == (3, 4)
+
+
+class Counting(torch.utils.data.IterableDataset):
+    """A stream of 0, 1, 2, ... (``length`` items; ``len`` when ``sized``), with a position a resume loads."""
+
+    def __init__(self, length: int, sized: bool = True) -> None:
+        self.length, self.sized, self.start = length, sized, 0
+
+    def __iter__(self):
+        yield from range(self.start, self.length)
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("no length")
+        return self.length
+
+    def state_dict(self) -> dict:
+        return {"start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = state["start"]
+
+
+def test_a_streams_step_plans_start_at_the_cursor_and_a_sized_streams_resume_counts_the_steps_left():
+    """Issue 39 (5): each step of a stream starts where the last one ended (the cursor), so the data position, the
+    session's ``epoch_step`` and the steps left of a stream with a length after a resume are those of the batches
+    read. (A plan one global batch late put the cursor a step ahead: a resumed epoch ended a step early.)"""
+    feed = StreamFeed(Counting(10), 2, 1, 0, DataConfig(), 0, None, agree=lambda values: list(values))
+    assert feed.steps_in_epoch(0) == 5
+    fed = list(feed.steps(0, 0))
+    assert [(f.plan.start, f.plan.end) for f in fed] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert [f.batches[0].tolist() for f in fed] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    resumed = list(itertools.islice(feed.steps(0, 4), 2))  # a resume at cursor 4 (two steps taken)
+    assert [(f.plan.start, f.plan.end) for f in resumed] == [(4, 6), (6, 8)]
+    assert feed.steps_in_epoch(resumed[-1].plan.end) == 1
+
+    rt, _ = loop_stub(total_steps=5)
+    rt.feed = feed
+    session = Session()
+    session._runtime = rt
+    positions = []
+    for _ in session._batches(feed):
+        positions.append(session.epoch_step)  # the steps before this one, in this epoch
+    assert positions == [0, 1, 2, 3, 4] and session.epoch_step == 5 and rt.state.cursor == 10
+
+
+def test_per_rank_state_is_gathered_for_a_snapshot_only_step_and_a_resume_from_it_gets_that_steps_value(
+    world_of_one,
+):
+    """Issue 39 (2): a step with a snapshot due and no checkpoint still gathers every rank's own kept state
+    (``keep_rank``), so the snapshot holds that step's value, and a session resumed from it gets it back. (Gathered
+    only for checkpoints, a snapshot carried the state of the last checkpoint, or none.)"""
+    hidden = Carry(torch.zeros(2))
+    rt = object.__new__(Runtime)
+    rt.config, rt.config_json = load_config(None, ["checkpoint.every_steps=100"]), {}
+    rt.world, rt.control = SimpleNamespace(world_size=1, rank=0), world_of_one
+    rt.kept = Kept(None, 0, 1)
+    rt.kept.keep({"net": nn.Linear(2, 2)}, False, "s.keep")
+    rt.kept.keep({"hidden": hidden}, True, "s.keep_rank")
+    rt.snapshot_schedule = SnapshotSchedule(1, 0, lambda: [], agree=lambda p: p)
+    rt.state, rt.feed, rt.nonfinite, rt._rank_kept, rt.digest, rt.lineage = LoopState(), None, None, {}, "h", "L"
+    snapshots: list[dict] = []
+    checkpointer = SimpleNamespace(maybe_save=lambda step, state: None, lineage="L")
+    capture = SimpleNamespace(capture=lambda step, state: snapshots.append(state()))
+    rt.roles = SimpleNamespace(checkpointer=checkpointer, snapshots=capture)
+    for step in (1, 2, 3):
+        hidden.value = torch.full((2,), float(step))
+        rt.state.global_step = step
+        rt.save_due(step)
+    assert len(snapshots) == 3
+    again = Carry()
+    Kept(snapshots[-1], 0, 1, "snapshot").keep({"hidden": again}, True, "s.keep_rank")
+    assert again.take().tolist() == [3.0, 3.0]

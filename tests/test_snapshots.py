@@ -190,6 +190,8 @@ def test_a_snapshot_holds_the_step_it_was_taken_at_though_the_next_step_runs_dur
     snapshots = list(scan(area.path))
     assert len(snapshots) == 1  # one kept; the one before went when the next completed
     step = snapshots[0][0].step
+    assert snapshots[0][0].checksum[0] == "xxh3_128"  # a snapshot's kind (issue 39, 6): sha256 is six times slower
+    assert set(CHECKSUMS) & set(json.loads((area.path / manifest_name(step)).read_text())) == {"xxh3_128"}
     saved = load_state(snapshots[0][1], "snapshot")
     for key, value in expected[step].items():
         assert torch.equal(saved["model"][key], value), key
@@ -574,6 +576,25 @@ def run_timed(schedule: SnapshotSchedule, clock: Steps, steps: range) -> list[in
     return due
 
 
+class UnevenClock(Clock):
+    """Steps of ``step_time`` seconds, but step ``slow`` (a step number; 0: none) takes ``slow_time``: an evaluation,
+    a checkpoint, a straggler's hiccup."""
+
+    def __init__(self, step_time: float, slow: int = 0, slow_time: float = 0.0) -> None:
+        super().__init__(step_time)
+        self.slow, self.slow_time = slow, slow_time
+
+
+def run_uneven(schedule: SnapshotSchedule, clock: UnevenClock, steps: range) -> list[int]:
+    """As :func:`run_schedule`, with step ``clock.slow`` taking ``clock.slow_time``."""
+    due = []
+    for step in steps:
+        clock.now += clock.slow_time if step == clock.slow else clock.step_time
+        if schedule.due(step):
+            due.append(step)
+    return due
+
+
 def auto(clock: Steps, costs: list, start: int = 0, **kwargs) -> SnapshotSchedule:
     """auto on one rank (its proposal is the agreed interval), on ``clock``, with these measured ``costs``."""
     return SnapshotSchedule("auto", start, lambda: costs, agree=lambda p: p, clock=clock, cpu_clock=clock, **kwargs)
@@ -741,6 +762,27 @@ def test_the_interval_never_exceeds_its_ceiling_and_a_skewed_start_changes_nothi
     cost = blocked + background
     if not small(cost, step) and every < max_seconds // step and every < MOST:
         assert cost / every <= BUDGET * step
+
+
+@pytest.mark.parametrize("slow", range(1, 2 * AGREE + 1))
+def test_a_slow_step_anywhere_in_a_start_does_not_set_the_interval(slow):
+    """Issue 39 (7): every auto test timed equal steps, so taking the longest timed step for the step time passed.
+    Steps of 100 ms with one of 2 s anywhere in the first steps of a start (an evaluation): the interval auto agrees
+    on is the one it agrees on when every step takes 100 ms (a 11.5 ms snapshot: every 23 steps), not the one a
+    2 s step would give (every 2); and the snapshots are taken at its multiples."""
+    costs = [(0.001, 0.5), (0.0005, 0.010), (0.0005, 0.012)]
+
+    def agreed(clock: UnevenClock) -> tuple[int, list[int]]:
+        schedule = SnapshotSchedule("auto", 0, lambda: costs, agree=lambda p: p, clock=clock,
+                                    cpu_clock=lambda: clock.now)  # fmt: skip
+        due = run_uneven(schedule, clock, range(1, 400))
+        return schedule.every, due
+
+    steady_every, steady_due = agreed(UnevenClock(0.1))
+    assert steady_every == 23
+    every, due = agreed(UnevenClock(0.1, slow, 2.0))
+    assert every == steady_every, f"a 2 s step {slow} set the interval to {every}"
+    assert due[-5:] == steady_due[-5:] == [23 * k for k in range(13, 18)]
 
 
 @pytest.mark.parametrize(("every", "expected"), [(1, list(range(1, 13))), (4, [4, 8, 12]), (0, [])])

@@ -8,6 +8,14 @@ newest valid record of each start. Memory grows with the number of starts, not o
 0 compacts the ledger (:func:`compact`): it is rewritten atomically as those records, so the next start reads
 a few lines, not the job's whole history. The file is opened only when it is a regular file
 (:mod:`service.state.files`): a FIFO planted at its name is refused with a warning, never waited on.
+
+A record is a line with its newline. The writer writes both in one ``os.write`` on an ``O_APPEND`` descriptor,
+so a last line without one is a write that did not finish, and it is skipped even when its bytes hold a whole,
+valid record (decided in issue 39). The next start's first append lands on the end of that line (unless
+compaction rewrote the ledger first), so a reader that took it would count a record that a later reader finds
+glued to another line and drops: the job's figures would change behind it. Skipped, those bytes read the same
+way before and after any append; what is lost is a dying start's last record, whose time since its previous
+record the fold then counts as a gap.
 """
 
 from __future__ import annotations
@@ -132,20 +140,22 @@ def read_ledger(path: Path) -> list[Record]:
     return list(iter_ledger(path))
 
 
-def read_starts(path: Path) -> list[Record]:
+def read_starts(path: Path, most: int = MAX_STARTS) -> list[Record]:
     """The last valid record of each start in the ledger at ``path``, streamed: what the fold needs, in memory
-    that grows with the starts (at most :data:`MAX_STARTS`), not with the lines."""
-    return last_per_start(iter_ledger(path), MAX_STARTS)
+    that grows with the starts (at most ``most``, :data:`MAX_STARTS`; a test lowers it), not with the lines."""
+    return last_per_start(iter_ledger(path), most)
 
 
-def compact(path: Path, starts: list[Record]) -> None:
-    """Rewrite the ledger at ``path`` as ``starts`` (what :func:`read_starts` gave), when it holds more.
+def compact(path: Path, starts: list[Record], most: int = MAX_STARTS) -> None:
+    """Rewrite the ledger at ``path`` as ``starts`` (what :func:`read_starts` gave with the same ``most``), when it
+    holds more.
 
     Atomic: written to a temporary name, fsynced, renamed over the ledger; a failure leaves the ledger as it
     was (with a warning). Only rank 0 writes the ledger, and this runs before its start appends anything. A
-    ledger that is not a regular file, or of which nothing or not every start was read, is left alone.
+    ledger that is not a regular file, or of which nothing or not every start was read, is left alone: a read
+    that reached ``most`` starts may have stopped there, so a ledger of exactly ``most`` starts is left as it is.
     """
-    if not starts or len(starts) >= MAX_STARTS:  # nothing read (an unreadable file), or not all of it
+    if not starts or len(starts) >= most:  # nothing read (an unreadable file), or maybe not all of it
         return
     data = b"".join(record.model_dump_json().encode() + b"\n" for record in starts)
     try:
