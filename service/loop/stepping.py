@@ -178,6 +178,7 @@ def _boundary(rt: Runtime, fed: Fed, hooks: Hooks, started: float, fetched: floa
     if stop := hooks.boundary():
         return stop
     rt.progress.mark(CHECKPOINT)
+    rt.kept.check_loadable()  # once, on every rank: state a resume could not load is never saved
     saving = time.perf_counter()
     rt.save_due(state.global_step)
     roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
