@@ -4,7 +4,7 @@ each rank appends one JSON line per step to ``OUT/rank{r}.jsonl`` (the sample id
 Usage (under torchrun, with ``--set`` for the config): ``session_streams.py KIND OUT [DATA]``; KIND is
 ``hf`` (a Hugging Face ``datasets`` stream of DATA/*.jsonl, an ``id`` per line), ``endless`` (a torch
 ``IterableDataset`` with state, without end) or ``oneshot`` (each rank its own generator, read once: rank 0 has
-four times rank 1's batches).
+four times rank 1's batches). ``STEP_SLEEP`` (seconds) slows each step.
 """
 
 import glob
@@ -74,3 +74,4 @@ with service.Session() as s:
             optimizer.zero_grad()
             trace.write(json.dumps({"ids": ids.tolist(), "at": time.time()}) + "\n")
             trace.flush()
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # a preemption test's time to signal mid-run
