@@ -252,10 +252,16 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
         # its first save (nothing saved); a DataLoader's settings named with what replaces each
         "nested_batches": ("SessionError", r"another s\.batches loop is still running .*one s\.batches loop at a"),
         "batches_side_by_side": ("SessionError", r"another s\.batches loop is still running"),
-        "keep_unloadable": ("KeepError", r"s\.keep\(thing=\.\.\.\) \(a __main__\.Thing\): its "
-                            r"state_dict\(\)\['inner'\] is a __main__\.Custom, which a resume could not load back"),
-        "dataloader_given": ("FeedError", r"got a torch DataLoader.*num_workers=2 .*data\.num_workers.*a sampler "
-                             r"that draws with replacement has no s\.batches form"),
+        "keep_unloadable": (
+            "KeepError",
+            r"s\.keep\(thing=\.\.\.\) \(a __main__\.Thing\): its "
+            r"state_dict\(\)\['inner'\] is a __main__\.Custom, which a resume could not load back",
+        ),
+        "dataloader_given": (
+            "FeedError",
+            r"got a torch DataLoader.*num_workers=2 .*data\.num_workers.*a sampler "
+            r"that draws with replacement has no s\.batches form",
+        ),
     }
     for case, (kind, pattern) in expected.items():
         assert found[case] is not None and found[case][0] == kind, (case, found[case])

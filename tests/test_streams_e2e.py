@@ -131,7 +131,7 @@ def test_a_one_shot_stream_of_uneven_shards_ends_its_run_in_seconds_naming_what_
     assert summary["dropped_batches"] == 12 and summary["epochs_completed"] == 1, summary
     assert output.count("[rank 0] WARNING epoch 0 of the stream") == 1, output[-4000:]
     assert output.count("were left untrained") == 2  # once on each rank (logging.all_ranks)
-    assert "epoch 0 of the stream" in output and "12 batches of 4 samples were left untrained (rank 0: 12, rank 1: 0)" in output
+    assert "12 batches of 4 samples were left untrained (rank 0: 12, rank 1: 0)" in output
     assert "gave no batch in epoch 1" in output and "Make the stream's __iter__ start it afresh" in output
     assert [len(lines) for lines in traced(run).values()] == [4, 4]
 

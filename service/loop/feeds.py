@@ -271,7 +271,7 @@ class StreamFeed:
             "of %d samples were left untrained (%s%s). Give every rank an equal share (e.g. a number of shards "
             "that the world size divides) to train them all.",
             epoch, describe_stream(self.source), steps, "at least " if any_capped else "", self.dropped,
-            self.batch_size, listed, ", counted for at most %g s a rank" % self.COUNT_SECONDS if any_capped else "",
+            self.batch_size, listed, f", counted for at most {self.COUNT_SECONDS:g} s a rank" if any_capped else "",
         )  # fmt: skip
 
     def state_dict(self) -> Any:

@@ -31,8 +31,11 @@ def loader_given(loader: DataLoader, batch_size: Any) -> str:
     ]
     if with_replacement:
         parts.append(_REPLACEMENT)
-    return ("s.batches got a torch DataLoader; the session makes its own loader (its sampler is what resumes "
-            f"exactly, across world sizes), so this one's settings would be lost: {'; '.join(parts)}.")
+    return (
+        "s.batches got a torch DataLoader; the session makes its own loader (its sampler is what resumes "
+        f"exactly, across world sizes), so this one's settings would be lost: {'; '.join(parts)}."
+    )
+
 
 log = logging.getLogger("service.loop.train")
 

@@ -164,7 +164,7 @@ children = []
 with session("feeds", "train.epochs=4", "data.num_workers=1") as s:
     net = s.model(nn.Linear(4, 1))
     s.keep(net=net)
-    for epoch in s.epochs():
+    for _epoch in s.epochs():
         for _ in s.batches(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), 8):
             pass
         children.append(len(multiprocessing.active_children()))
