@@ -250,6 +250,11 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
         "resume_missing_name": ("KeepError", r"holds netD, which this run never kept.*Missing: netD\."),
         # issue 35: nested or side-by-side s.batches, refused at once; state a resume could not load, refused at
         # its first save (nothing saved); a DataLoader's settings named with what replaces each
+        "empty_stream": (
+            "FeedError",
+            r"The stream __main__\.Empty gave no batch in epoch 0 .*Make the stream's "
+            r"__iter__ start it afresh",
+        ),
         "nested_batches": ("SessionError", r"another s\.batches loop is still running .*one s\.batches loop at a"),
         "batches_side_by_side": ("SessionError", r"another s\.batches loop is still running"),
         "keep_unloadable": (

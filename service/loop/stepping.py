@@ -72,7 +72,7 @@ def steps(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks = Hooks(), one_e
         if stop := rt.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
             rt.stopped = stop
             return
-        if state.epoch >= epochs:  # a stream's epochs (a map-style dataset's are in total_steps already)
+        if feed.stream and state.epoch >= epochs:  # a map-style dataset's epochs are in total_steps already
             return
         before, fresh = state.global_step, state.cursor == 0
         reason = yield from _epoch(rt, feed, hooks)

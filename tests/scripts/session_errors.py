@@ -61,6 +61,17 @@ def stream_without_max_steps(s):
         pass
 
 
+class Empty(IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+def empty_stream(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for _ in s.batches(Empty(), 8):
+        pass
+
+
 def keep_a_reserved_name(s):
     s.keep(loop=s.model(nn.Linear(4, 1)))
 
@@ -133,6 +144,7 @@ CASES = {
     "keep_a_reserved_name": (keep_a_reserved_name, ()),
     "grad_clip_set": (lambda s: None, ("train.grad_clip=1.0",)),
     "nested_batches": (nested_batches, ()),
+    "empty_stream": (empty_stream, ()),
     "batches_side_by_side": (batches_side_by_side, ()),
     "keep_unloadable": (keep_unloadable, ()),
     "dataloader_given": (dataloader_given, ()),
