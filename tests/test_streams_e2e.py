@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,23 @@ def test_streams_with_loader_workers_exit_in_seconds_and_a_datasets_stream_train
         summary = read_summary(run / "run")
         assert code != 0 and after < 30, (code, after, summary)
         assert summary["status"] == "preempted" and summary["stopped_at_step"] >= 3, summary
+
+
+def test_a_streams_state_that_could_not_be_loaded_back_is_refused_before_any_save(tmp_path):
+    """A stream whose state_dict holds an object of its own (not a plain value): every rank refuses it at the end
+    of the first step, before the first save, naming the stream, where the value sits and its type; no checkpoint
+    is written (one used to be written, that every resume then refused)."""
+    run = tmp_path / "unloadable"
+    proc, watcher = start("unloadable", run, ("train.max_steps=6", "checkpoint.every_steps=1"))
+    code, _ = ended(proc, watcher, run, timeout=120)
+    output = watcher.text()
+    assert code != 0, output[-4000:]
+    refusal = (r"KeepError: s\.batches\(a __main__\.Unloadable\): the stream's state_dict\(\) .*: its "
+               r"state_dict\(\)\['dataset_state'\]\['stream'\]\['position'\] is a __main__\.Position, which a resume "
+               "could not load back")  # fmt: skip
+    assert len(re.findall(refusal, output)) >= 2, output[-4000:]  # each rank's
+    assert read_summary(run / "run")["status"] == "failed"
+    assert not list((run / "run" / "checkpoints").glob("step-*")), sorted((run / "run" / "checkpoints").iterdir())
 
 
 def test_a_one_shot_stream_of_uneven_shards_ends_its_run_in_seconds_naming_what_it_left(tmp_path):

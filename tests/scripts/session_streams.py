@@ -3,7 +3,8 @@ each rank appends one JSON line per step to ``OUT/rank{r}.jsonl`` (the sample id
 
 Usage (under torchrun, with ``--set`` for the config): ``session_streams.py KIND OUT [DATA]``; KIND is
 ``hf`` (a Hugging Face ``datasets`` stream of DATA/*.jsonl, an ``id`` per line), ``endless`` (a torch
-``IterableDataset`` with state, without end) or ``oneshot`` (each rank its own generator, read once: rank 0 has
+``IterableDataset`` with state, without end), ``unloadable`` (the same, whose state a resume could not load) or
+``oneshot`` (each rank its own generator, read once: rank 0 has
 four times rank 1's batches). ``STEP_SLEEP`` (seconds) slows each step.
 """
 
@@ -39,6 +40,18 @@ class Endless(IterableDataset):
         self.position = int(state["position"])
 
 
+class Position:
+    """Not a plain value: a checkpoint's loader (weights_only) could not load it back."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+
+class Unloadable(Endless):
+    def state_dict(self):
+        return {"position": Position(self.position)}
+
+
 class OneShot(IterableDataset):
     """A generator made once: a second pass finds it used up."""
 
@@ -59,6 +72,8 @@ with service.Session() as s:
         data = load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
     elif kind == "endless":
         data = Endless()
+    elif kind == "unloadable":
+        data = Unloadable()
     else:
         data, shard = OneShot(4 * 4 * (4 if s.rank == 0 else 1)), False
     torch.manual_seed(0)
