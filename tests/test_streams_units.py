@@ -111,3 +111,28 @@ def test_kept_state_is_checked_by_the_resumes_loader_before_it_is_saved() -> Non
 
 def test_a_refused_load_never_says_to_delete_a_checkpoint() -> None:
     assert "delete" not in _RESUME_FIX and "checkpoint.resume=never" in _RESUME_FIX
+
+
+class Plain(torch.utils.data.IterableDataset):
+    """A torch stream without state_dict: numbers without end."""
+
+    def __iter__(self):
+        index = 0
+        while True:
+            yield torch.tensor(index)
+            index += 1
+
+
+@pytest.mark.e2e  # loader worker processes
+def test_a_stream_without_state_reads_through_loader_workers_and_keeps_no_position() -> None:
+    """A torch stream without ``state_dict``, sharded over 2 ranks and 2 workers a rank: its workers read it (they
+    used to fail in the worker, asking the stream for a state_dict it lacks, naming neither), and it keeps no
+    position (a resume mid-epoch is refused naming data.stream_resume, or restarts it under ``restart``)."""
+    feed = StreamFeed(Plain(), 2, 2, 1, DataConfig(num_workers=2), 0, None, lambda flags: list(flags))
+    try:
+        steps = feed.steps(0, 0)
+        seen = [next(steps).batches[0].tolist() for _ in range(4)]
+        assert sorted(i for batch in seen for i in batch) == [2, 3, 6, 7, 10, 11, 14, 15]  # slots 2 and 3 of 4
+        assert not feed.resumable and feed.state_dict() is None
+    finally:
+        feed.close()
