@@ -306,10 +306,32 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
         "micro_batches_indivisible": ("ToolError", r"shape \(8, 4\) does not split into train\.grad_accum=3 equal"),
         "resume_unexpected_name": ("KeepError", r"holds no 'optG'.*Unexpected: optG\. Missing so far: netD\."),
         "resume_missing_name": ("KeepError", r"holds netD, which this run never kept.*Missing: netD\."),
+        # issue 35: nested or side-by-side s.batches, refused at once; state a resume could not load, refused at
+        # its first save (nothing saved); a DataLoader's settings named with what replaces each
+        "empty_stream": (
+            "FeedError",
+            r"The stream __main__\.Empty gave no batch in epoch 0 .*Make the stream's "
+            r"__iter__ start it afresh",
+        ),
+        "nested_batches": ("SessionError", r"another s\.batches loop is still running .*one s\.batches loop at a"),
+        "batches_side_by_side": ("SessionError", r"another s\.batches loop is still running"),
+        "keep_unloadable": (
+            "KeepError",
+            r"s\.keep\(thing=\.\.\.\) \(a __main__\.Thing\): its "
+            r"state_dict\(\)\['inner'\] is a __main__\.Custom, which a resume could not load back",
+        ),
+        "dataloader_given": (
+            "FeedError",
+            r"got a torch DataLoader.*num_workers=2 .*data\.num_workers.*a sampler "
+            r"that draws with replacement has no s\.batches form",
+        ),
     }
     for case, (kind, pattern) in expected.items():
         assert found[case] is not None and found[case][0] == kind, (case, found[case])
         assert re.search(pattern, found[case][1]), (case, found[case][1])
+    assert found["keep_unloadable_saved"] == []  # refused before its first checkpoint
+    # a dataset made anew each epoch: the feed before it is let go, its loader's worker shut down; none at the end
+    assert found["loader_processes_by_epoch"] == [1, 1, 1, 1] and found["loader_processes_at_end"] == 0, found
     assert "train.grad_clip=1.0: the script steps its own optimizer" in done.stderr
     # #35.4: a setting only a session tool applies, with none used, is refused at the end of the first step
     assert "train.amp=fp16: a session applies it through s.autocast() and s.backward(loss)" in done.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,32 @@ from service.config import DataConfig
 from service.loop.sampler import StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
 from service.world.env import WorldInfo
+
+
+def shut_down(loader: Any, wait: float = 5.0) -> None:
+    """Stop ``loader``'s worker processes now, not at the interpreter's exit.
+
+    A loader's workers ignore the stop signals (:func:`~service.state.preemption.ignore_in_data_workers`), and
+    at exit Python's ``multiprocessing`` ends its daemonic children with SIGTERM and joins them: with a loader
+    still open (a stream cut by ``max_steps``, an epoch another rank ended, a stop) that join never returns. So
+    the loops shut their loaders down themselves: the workers are told to stop and joined, and one still alive
+    after ``wait`` seconds is killed.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    with contextlib.suppress(AttributeError):
+        loader._iterator = None
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if not callable(stop):
+        return
+    workers = list(getattr(iterator, "_workers", ()))
+    with contextlib.suppress(Exception):  # a worker that died already: what is left is killed below
+        stop()
+    deadline = time.monotonic() + wait
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=wait)
 
 
 class SignalSafeLoader(DataLoader):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from service.config import DataConfig
-from service.loop.data import SignalSafeLoader
+from service.loop.data import SignalSafeLoader, shut_down
 from service.loop.sampler import DataPlan, MicroBatch, PlanSampler, StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
 
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class FeedError(ValueError):
-    """A dataset the loop cannot feed as asked; the message names the value and the fix."""
+    """A dataset the loop cannot feed as asked; the message names the value and the fix (bad input: exit 2)."""
+
+    exit_code = 2
 
 
 @dataclasses.dataclass
@@ -90,6 +93,10 @@ class MapFeed:
     def load_state_dict(self, state: Any) -> None:
         return None
 
+    def close(self) -> None:
+        """Shut the loader's workers down (they would hold the process's exit)."""
+        shut_down(self.loader)
+
 
 def map_plan(dataset: Any, seed: int, batch_size: int, world_size: int, rank: int, shard: bool, shuffle: bool,
              drop_last: bool) -> DataPlan:  # fmt: skip
@@ -104,11 +111,16 @@ def map_plan(dataset: Any, seed: int, batch_size: int, world_size: int, rank: in
 # --------------------------------------------------------------------------- streams
 
 
+def is_hf_stream(dataset: Any) -> bool:
+    """A Hugging Face ``datasets.IterableDataset`` (once torch is imported, it is a torch ``IterableDataset`` too,
+    but one that splits its shards over a loader's workers itself)."""
+    return any(kind.__module__.startswith("datasets.") and kind.__name__ == "IterableDataset"
+               for kind in type(dataset).__mro__)  # fmt: skip
+
+
 def is_stream(dataset: Any) -> bool:
     """An iterable dataset: torch's ``IterableDataset`` or a Hugging Face ``datasets.IterableDataset``."""
-    if isinstance(dataset, IterableDataset):
-        return True
-    return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ == "IterableDataset"
+    return isinstance(dataset, IterableDataset) or is_hf_stream(dataset)
 
 
 def stateful(dataset: Any) -> bool:
@@ -118,8 +130,8 @@ def stateful(dataset: Any) -> bool:
 class RankShard(IterableDataset):
     """One rank's shard of a torch ``IterableDataset``: the items whose position in the stream falls in the slot of
     this rank and this loader worker (``get_worker_info``), one in every ``world_size × workers``. Every worker
-    reads the stream whole and keeps its slot's items; the state is the stream's own and the position read, so a
-    stream with ``state_dict``/``load_state_dict`` resumes exactly, each worker in its slot."""
+    reads the stream whole and keeps its slot's items. A stream without ``state_dict`` keeps no position here
+    (:class:`StatefulRankShard` is the one with state)."""
 
     def __init__(self, inner: IterableDataset, rank: int, world_size: int) -> None:
         self.inner, self.rank, self.world_size = inner, rank, world_size
@@ -134,6 +146,16 @@ class RankShard(IterableDataset):
             if index % slots == slot:
                 yield item
 
+    def set_epoch(self, epoch: int) -> None:
+        self.read = 0
+        if callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
+
+
+class StatefulRankShard(RankShard):
+    """A :class:`RankShard` of a stream with ``state_dict``/``load_state_dict``: the state is the stream's own and
+    the position read, so it resumes exactly, each worker in its slot."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.inner.state_dict(), "read": self.read}  # type: ignore[attr-defined]
 
@@ -141,30 +163,31 @@ class RankShard(IterableDataset):
         self.inner.load_state_dict(state["stream"])  # type: ignore[attr-defined]
         self.read = int(state["read"])
 
-    def set_epoch(self, epoch: int) -> None:
-        self.read = 0
-        if callable(getattr(self.inner, "set_epoch", None)):
-            self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
-
 
 def shard_stream(dataset: Any, rank: int, world_size: int, shard: bool) -> Any:
-    """This rank's shard: ``split_dataset_by_node`` for a Hugging Face stream, :class:`RankShard` otherwise."""
+    """This rank's shard: ``split_dataset_by_node`` for a Hugging Face stream (which then splits its shards over the
+    loader's workers itself: a :class:`RankShard` over it would lose what the other workers read), a
+    :class:`RankShard` otherwise."""
     if not shard or world_size == 1:
         return dataset
-    if not isinstance(dataset, IterableDataset):  # datasets.IterableDataset
+    if is_hf_stream(dataset):
         from datasets.distributed import split_dataset_by_node
 
         return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
-    return RankShard(dataset, rank, world_size)
+    return (StatefulRankShard if stateful(dataset) else RankShard)(dataset, rank, world_size)
 
 
 class StreamFeed:
     """An iterable dataset, batched by torchdata's ``StatefulDataLoader``: one batch per rank per step.
 
     A stream's shards need not be equally long, so each step the ranks agree (``agree``, the MIN of
-    "I have a batch") that all of them have one; the first rank without ends the epoch for all, and a batch
-    the others read for that step is not trained (the uneven tail, like a sampler's ``drop_last``).
+    "I have a batch") that all of them have one; the first rank without ends the epoch for all, and the batches
+    the others had left are not trained (the uneven tail, like a sampler's ``drop_last``): each rank counts what
+    it had left (reading on for at most :attr:`COUNT_SECONDS`), and the epoch's end says so once, per rank
+    (:attr:`dropped`).
     """
+
+    COUNT_SECONDS = 5.0  # how long a rank reads on to count the batches an uneven end leaves untrained
 
     stream = True
 
@@ -176,7 +199,9 @@ class StreamFeed:
         self.source = dataset
         self.dataset = shard_stream(dataset, rank, world_size, shard)
         self.batch_size, self.world_size, self.agree = batch_size, world_size if shard else 1, agree
+        self.ranks, self.rank = world_size, rank
         self.resumable = stateful(self.dataset)
+        self.dropped = 0  # batches the last epoch's uneven end left untrained, over every rank
 
         class Loader(SignalSafeLoader, StatefulDataLoader):  # workers start with the stop signals held back
             pass
@@ -213,21 +238,52 @@ class StreamFeed:
             self.dataset.set_epoch(epoch)
         with held_back():
             batches = iter(self.loader)
-        start = cursor
+        start, self.dropped = cursor, 0
         while True:
             batch = next(batches, None)
-            if self.agree([batch is not None])[0] == 0:
+            every, no_rank = self.agree([batch is not None, batch is None])
+            if not every:
+                if not no_rank:  # some ranks had a batch, some none: the others' are not trained
+                    self._uneven(epoch, start // self.global_batch, batch, batches)
                 return
             size = _size(batch)
             plan = StepPlan(epoch=epoch, start=start, size=self.global_batch, micro=(MicroBatch((), 1.0, size),))
             start += self.global_batch
             yield Fed(plan, [batch])
 
+    def _uneven(self, epoch: int, steps: int, batch: Any, batches: Iterator[Any]) -> None:
+        """The epoch ends at the first rank with no more batches: count what every rank had left (a collective)."""
+        left, capped, until = 0, False, time.monotonic() + self.COUNT_SECONDS
+        if batch is not None:
+            left = 1
+            for _ in batches:
+                left += 1
+                if time.monotonic() > until:
+                    capped = True
+                    break
+        big = 1 << 62
+        counts = self.agree([*(left if rank == self.rank else big for rank in range(self.ranks)), -capped])
+        per_rank, any_capped = counts[:-1], counts[-1] < 0
+        self.dropped = sum(per_rank)
+        listed = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(per_rank))
+        log.warning(
+            "epoch %d of the stream %s ended after %d steps, at the first rank with no more batches; %s%d batches "
+            "of %d samples were left untrained (%s%s). Give every rank an equal share (e.g. a number of shards "
+            "that the world size divides) to train them all.",
+            epoch, describe_stream(self.source), steps, "at least " if any_capped else "", self.dropped,
+            self.batch_size, listed, f", counted for at most {self.COUNT_SECONDS:g} s a rank" if any_capped else "",
+        )  # fmt: skip
+
     def state_dict(self) -> Any:
-        return self.loader.state_dict()
+        """The loader's position (its workers' included); None for a stream without state of its own."""
+        return self.loader.state_dict() if self.resumable else None
 
     def load_state_dict(self, state: Any) -> None:
         self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        """Shut the loader's workers down (they would hold the process's exit)."""
+        shut_down(self.loader)
 
 
 def _size(batch: Any) -> int:
@@ -252,7 +308,14 @@ def check_stream(feed: StreamFeed, max_steps: int | None, epochs: int, resumed: 
                         f"train.epochs={epochs} does not say how long to train. Set train.max_steps (e.g. --set "
                         "train.max_steps=10000).")  # fmt: skip
     if resumed is None:
+        if not feed.resumable and on_resume != "restart":
+            log.warning("the stream %s has no state_dict/load_state_dict, so its position is not kept: a resume in "
+                        "the middle of an epoch will be refused. Give it those two methods, or set "
+                        "data.stream_resume=restart to start it afresh on a resume.",
+                        describe_stream(feed.source))  # fmt: skip
         return
+    if not (resumed.get("loop") or {}).get("cursor"):
+        return  # resumed at an epoch's start: the stream starts it afresh, wherever it stood at the save
     fix = ("or set data.stream_resume=restart to start the stream afresh (its samples before the stop may then be "
            "seen again, or some skipped)")  # fmt: skip
     saved_size = resumed.get("world_size")

@@ -18,3 +18,4 @@ class LoopState:
     samples_seen: int = 0
     epochs_completed: int = 0
     cursor: int = 0
+    dropped_batches: int = 0  # batches an uneven stream's epoch ends left untrained, over every rank

@@ -20,9 +20,11 @@ were built, with one warning naming them.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import logging
+import pickle
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,7 +32,12 @@ import torch
 from torch import nn
 
 from service.loop.parallel import unwrap
-from service.state.checkpoint_io import TASK_KEPT, kept_names, load_tensors  # noqa: F401 (TASK_KEPT: re-exported)
+from service.state.checkpoint_io import (  # noqa: F401 (TASK_KEPT: re-exported)
+    TASK_KEPT,
+    UnsafeCheckpointError,
+    kept_names,
+    load_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,62 @@ STREAM = "__stream__"  # a stream's loader position, among each rank's own state
 
 
 class KeepError(TypeError):
-    """A kept object, its name or its call does not fit; the message names the call and the fix."""
+    """A kept object, its name or its call does not fit; the message names the call and the fix (bad input: exit
+    2)."""
+
+    exit_code = 2
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_EMPTY = torch.empty(0)
+
+
+def _skeleton(value: Any) -> Any:
+    """``value`` with each plain tensor swapped for an empty one: what a save pickles besides the tensors' data."""
+    if type(value) in (torch.Tensor, nn.Parameter):
+        return _EMPTY
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((key, _skeleton(item)) for key, item in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(item) for item in value)
+    return value  # anything else goes as it is: the loader decides
+
+
+def _odd_one(value: Any, path: str) -> tuple[str, str] | None:
+    """(where, type) of the first value in ``value`` that is neither a tensor, a plain value nor a plain container."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return None
+    if type(value) in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            found = _odd_one(key, f"{path} key") or _odd_one(item, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if type(value) in (list, tuple):
+        return next(filter(None, (_odd_one(item, f"{path}[{index}]") for index, item in enumerate(value))), None)
+    kind = type(value)
+    return path, f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_loadable(call: str, state: Any) -> None:
+    """Refuse, before it is saved, a state that a resume's loader (``torch.load(weights_only=True)``) would refuse:
+    the same loader is run on what the save pickles besides the tensors' data."""
+    fix = ("A checkpoint is loaded back with torch.load(weights_only=True), which takes tensors and plain values "
+           "(numbers, strings, None) in dicts, lists and tuples only, so nothing was saved. Make state_dict() "
+           "return such values (e.g. the object's fields as a dict) and load_state_dict() build the object back "
+           "from them.")  # fmt: skip
+    buffer = io.BytesIO()
+    try:
+        torch.save(_skeleton(state), buffer)
+        load_tensors(buffer.getvalue(), call)
+    except (UnsafeCheckpointError, pickle.PicklingError, AttributeError, TypeError, ValueError) as exc:
+        where, kind = _odd_one(state, "state_dict()") or ("state_dict()", str(exc).splitlines()[0][:200])
+        raise KeepError(f"{call}: its {where} is a {kind}, which a resume could not load back. {fix}") from None
+
+
+def describe(obj: Any) -> str:
+    kind = type(obj)
+    return f"a {kind.__module__}.{kind.__qualname__}"
 
 
 def _has_state(obj: Any) -> bool:
@@ -70,6 +132,7 @@ class Kept:
         saved_size = resumed.get("world_size") if resumed is not None else None
         self._own_states = self._rank_states(resumed, saved_size)
         self._warned_resize = False
+        self._checked = False  # every kept state loads back (checked once, before the first save)
 
     # ------------------------------------------------------------------ keeping
     def keep(self, objects: Mapping[str, Any], per_rank: bool, call: str) -> None:
@@ -161,14 +224,31 @@ class Kept:
         self.closed_for = why
 
     # ------------------------------------------------------------------ saving
+    def check_loadable(self) -> None:
+        """Once, before the first save (every rank at the first step's end; rank 0 again at its first save): each
+        kept object's state must load back as a resume loads it, or a :class:`KeepError` names it, and its type."""
+        if self._checked:
+            return
+        for per_rank, objects in ((False, self.shared), (True, self.per_rank)):
+            for name, obj in objects.items():
+                if name == STREAM:
+                    call = f"s.batches({describe(getattr(obj, 'source', obj))}): the stream's state_dict()"
+                    check_loadable(call + " (its loader's position, with the stream's own state)", obj.state_dict())
+                else:
+                    call = f"{'s.keep_rank' if per_rank else 's.keep'}({name}=...) ({describe(obj)})"
+                    check_loadable(call, obj.state_dict())
+        self._checked = True
+
     def states(self) -> dict[str, Any]:
         """Each shared object's state dict, by name (``kept`` lists the names)."""
+        self.check_loadable()
         return {"kept": list(self.shared), **{name: obj.state_dict() for name, obj in self.shared.items()}}
 
     def own_payload(self) -> bytes:
         """This rank's own objects' states, serialized (for the gather at a save); empty without any."""
         if not self.per_rank:
             return b""
+        self.check_loadable()
         buffer = io.BytesIO()
         torch.save({name: obj.state_dict() for name, obj in self.per_rank.items()}, buffer)
         return buffer.getvalue()

@@ -385,6 +385,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "total_steps": rt.total_steps,
         "samples_seen": state.samples_seen,
         "epochs_completed": state.epochs_completed,
+        "dropped_batches": state.dropped_batches,  # an uneven stream's epochs: batches left untrained, all ranks
         "world_size": rt.world.world_size,
         "global_batch_size": feed.global_batch if feed is not None else None,
         "grad_accum": max(micro_steps, rt.config.train.grad_accum),  # a session's: s.micro_batches

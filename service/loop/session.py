@@ -44,6 +44,8 @@ log = logging.getLogger("service.loop.train")
 class SessionError(RuntimeError):
     """A session used out of order (a call before ``start``); the message names the call and the fix."""
 
+    exit_code = 2
+
 
 class Stopped(SystemExit):
     """``s.batches`` ended the run before its last step; the process exits with :attr:`code`."""
@@ -101,6 +103,7 @@ class Session(SessionTools):
         self._feeds: dict[tuple[Any, ...], Any] = {}
         self._epoch: int | None = None
         self._last_feed: Any = None  # the feed of the latest s.batches call (s.epoch_step reads its batch)
+        self._running = False  # an s.batches loop is under way (a second one is refused)
         self._closed = False
         self._with = False
         self.rank = self.local_rank = 0
@@ -213,6 +216,7 @@ class Session(SessionTools):
                     rt.summary["samples_per_second"],
                 )
         finally:
+            self._close_feeds()  # their loader workers would hold the process's exit
             if self._stack is not None:
                 self._stack.close()
             if self._preemption is not None and self._with:
@@ -282,9 +286,19 @@ class Session(SessionTools):
         through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
         dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
         dataset (a stream) is sharded over the ranks and resumes from its state."""
+        self._refuse_second_loop()
         feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # now: s.epoch_step knows it
         self._last_feed = feed
         return self._batches(feed)
+
+    def _refuse_second_loop(self) -> None:
+        if self._running:
+            raise SessionError(
+                "s.batches(...) was called while another s.batches loop is still running (nested, or two side by "
+                "side): both would draw from the one data position of the run, skipping samples and counting "
+                "steps twice. Use one s.batches loop at a time; to read a second dataset in the same step, "
+                "iterate it yourself inside the loop (e.g. next() on a DataLoader of it)."
+            )
 
     def _batches(self, feed: Any) -> Iterator[Any]:
         from service.loop.batches import to_device
@@ -292,8 +306,13 @@ class Session(SessionTools):
 
         rt = self._rt
         hooks = Hooks(reported=self._reported, stepped=self._stepped)
-        for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
-            yield to_device(fed.batches[0], rt.device, non_blocking=True)
+        self._refuse_second_loop()  # two made before either ran: the second to start is refused
+        self._running = True
+        try:
+            for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
+                yield to_device(fed.batches[0], rt.device, non_blocking=True)
+        finally:
+            self._running = False
         if rt.stopped is not None:
             rt.finish(rt.stopped)
             raise Preempted() if rt.stopped == "preempted" else LockLost()
@@ -310,9 +329,17 @@ class Session(SessionTools):
         from service.loop.session_data import make_feed
 
         key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
-        if key not in self._feeds:
-            self._feeds[key] = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+        if key not in self._feeds:  # another dataset (one made anew each epoch): the one before is done with
+            feed = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+            self._close_feeds()
+            self._feeds[key] = feed
         return self._feeds[key]
+
+    def _close_feeds(self) -> None:
+        """Shut the cached feeds' loader workers down and let go of them."""
+        feeds, self._feeds = list(self._feeds.values()), {}
+        for feed in feeds:
+            feed.close()
 
 
 def refuse_unused(config: JobConfig) -> None:

@@ -6,9 +6,36 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from torch.utils.data import DataLoader, WeightedRandomSampler
+
 from service.loop.batches import checked_collate
 from service.loop.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
 from service.world.distributed import all_agree
+
+_REPLACEMENT = ("a sampler that draws with replacement has no s.batches form: s.batches draws a permutation each "
+                "epoch (every sample once, the same order at every world size, resumed exactly); to draw with "
+                "replacement, pass a stream instead (an IterableDataset whose __iter__ draws indices from a "
+                "torch.Generator, with state_dict/load_state_dict) and set train.max_steps")  # fmt: skip
+
+
+def loader_given(loader: DataLoader, batch_size: Any) -> str:
+    """What replaces each setting of a DataLoader a script hands to ``s.batches``: its own loader is not used."""
+    sampler = getattr(loader, "sampler", None)
+    with_replacement = getattr(sampler, "replacement", False) or isinstance(sampler, WeightedRandomSampler)
+    parts = [
+        f"pass its dataset: s.batches(loader.dataset, batch_size={loader.batch_size or batch_size})",
+        "its collate_fn goes to s.batches(..., collate_fn=...)",
+        "shuffle to s.batches(..., shuffle=...), drop_last to s.batches(..., drop_last=...)",
+        f"num_workers={loader.num_workers} and pin_memory={loader.pin_memory} to the config's data.num_workers and "
+        f"data.pin_memory (--set data.num_workers={loader.num_workers})",
+    ]
+    if with_replacement:
+        parts.append(_REPLACEMENT)
+    return (
+        "s.batches got a torch DataLoader; the session makes its own loader (its sampler is what resumes "
+        f"exactly, across world sizes), so this one's settings would be lost: {'; '.join(parts)}."
+    )
+
 
 log = logging.getLogger("service.loop.train")
 
@@ -22,6 +49,8 @@ def make_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list
     if collate_fn is not None and not callable(collate_fn):
         raise FeedError(f"s.batches(..., collate_fn={collate_fn!r}): collate_fn must be a function of a list of "
                         "samples, e.g. torch.utils.data.default_collate, or None.")  # fmt: skip
+    if isinstance(dataset, DataLoader):
+        raise FeedError(loader_given(dataset, batch_size))
     config, world = rt.config, rt.world
     collate = collate_fn or checked_collate(rt.label)
     agree = all_agree(rt.control)

@@ -11,6 +11,7 @@ loop's evaluations) comes in through :class:`Hooks`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -26,6 +27,8 @@ from service.telemetry.metrics import StepReport
 if TYPE_CHECKING:
     from service.loop.feeds import MapFeed, StreamFeed
     from service.loop.runtime import Runtime
+
+log = logging.getLogger("service.loop.train")
 
 
 def _nothing(*args: object) -> None:
@@ -64,14 +67,21 @@ def steps(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks = Hooks(), one_e
     """The run's steps from where it stands to ``total_steps`` (``one_epoch``: to the end of this epoch); on a stop
     agreed by the ranks, ``rt.stopped`` says why (the step that just ran is kept)."""
     rt.begin(feed, why)
-    state = rt.state
+    state, epochs = rt.state, rt.config.train.epochs
     while rt.stopped is None:
         if stop := rt.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
             rt.stopped = stop
             return
+        if feed.stream and state.epoch >= epochs:  # a map-style dataset's epochs are in total_steps already
+            return
+        before, fresh = state.global_step, state.cursor == 0
         reason = yield from _epoch(rt, feed, hooks)
         if reason in ("preempted", "lock_lost"):
             rt.stopped = reason
+            return
+        state.dropped_batches += getattr(feed, "dropped", 0)
+        if reason == "epoch" and fresh and state.global_step == before:
+            _empty_epoch(rt, feed)  # a stream that gave nothing: the run ends here, or is refused
             return
         if reason == "epoch":
             state.epochs_completed += 1
@@ -81,6 +91,28 @@ def steps(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks = Hooks(), one_e
         hooks.after_epoch()
         if state.global_step >= rt.total_steps or one_epoch:
             return
+
+
+def _empty_epoch(rt: Runtime, feed: MapFeed | StreamFeed) -> None:
+    """An epoch that gave no step (every rank agreed, at its start): a stream that does not start again (a
+    generator read once, a rank's shard used up). Refused before any step; after some, the run ends here (no
+    epoch is left: a rerun trains nothing more), saying why."""
+    from service.loop.feeds import FeedError, describe_stream
+
+    state, train = rt.state, rt.config.train
+    name = describe_stream(getattr(feed, "source", feed))
+    fix = ("Make the stream's __iter__ start it afresh at each call (an IterableDataset whose __iter__ is a "
+           "generator function, not one generator object made once)")  # fmt: skip
+    if state.global_step == 0:
+        size = getattr(feed, "batch_size", feed.global_batch)
+        raise FeedError(f"The stream {name} gave no batch in epoch {state.epoch} (batch_size {size} per rank): some "
+                        "rank has no whole batch to train. Check that it yields samples on every rank (a shard for "
+                        f"each), and lower batch_size if it yields fewer. {fix}.")  # fmt: skip
+    log.warning("the stream %s gave no batch in epoch %d (after %d steps in the epochs before): it does not start "
+                "again, so the run ends here at step %d, before the %d steps planned. %s, or set "
+                "train.epochs=%d to end it after the epochs it has.", name, state.epoch, state.global_step,
+                state.global_step, rt.total_steps, fix, max(1, state.epoch))  # fmt: skip
+    state.epoch = max(state.epoch, train.epochs)  # the data is over: no epoch is left to train
 
 
 def _epoch(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks) -> Generator[Fed, None, str]:
@@ -146,6 +178,7 @@ def _boundary(rt: Runtime, fed: Fed, hooks: Hooks, started: float, fetched: floa
     if stop := hooks.boundary():
         return stop
     rt.progress.mark(CHECKPOINT)
+    rt.kept.check_loadable()  # once, on every rank: state a resume could not load is never saved
     saving = time.perf_counter()
     rt.save_due(state.global_step)
     roles.sink.on_checkpoint_stall(time.perf_counter() - saving)

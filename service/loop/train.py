@@ -278,6 +278,8 @@ def train(job: TaskJob) -> dict[str, Any]:
     except Exception as exc:
         rt.fail(exc, loop.summary())
         raise
+    finally:
+        job.feed.close()  # its loader workers would hold the process's exit
 
 
 def run_task(rt: Runtime) -> dict[str, Any]:

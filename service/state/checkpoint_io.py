@@ -269,8 +269,9 @@ def read_verified(directory: Path, step: int) -> tuple[Manifest, bytes]:
     return manifest, payload
 
 
-_RESUME_FIX = ("A checkpoint written by this service never does that: delete the file (and its manifest) if you "
-               "did not put it there yourself, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
+_RESUME_FIX = ("This service checks every kept state at its first save, so its own checkpoints load; one written "
+               "by an older version may not. Resume it with the version that wrote it, or start afresh with --set "
+               "checkpoint.resume=never (the file is left as it is).")  # fmt: skip
 
 
 def load_tensors(payload: bytes | str, source: str, fix: str = _RESUME_FIX, mmap: bool = False) -> Any:

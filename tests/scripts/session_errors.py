@@ -61,6 +61,17 @@ def stream_without_max_steps(s):
         pass
 
 
+class Empty(IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+def empty_stream(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for _ in s.batches(Empty(), 8):
+        pass
+
+
 def keep_a_reserved_name(s):
     s.keep(loop=s.model(nn.Linear(4, 1)))
 
@@ -101,6 +112,45 @@ def micro_batches_indivisible(s):
             pass
 
 
+def nested_batches(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for _ in s.batches(DATA, 8):
+        for _ in s.batches(DATA, 8):
+            pass
+
+
+def batches_side_by_side(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    first, second = s.batches(DATA, 8), s.batches(DATA, 8)
+    next(first)
+    next(second)
+
+
+class Custom:
+    pass
+
+
+class Thing:
+    def state_dict(self):
+        return {"count": 3, "inner": Custom()}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def keep_unloadable(s):
+    s.keep(net=s.model(nn.Linear(4, 1)), thing=Thing())
+    for _ in s.batches(DATA, 8):
+        pass
+
+
+def dataloader_given(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    sampler = torch.utils.data.RandomSampler(DATA, replacement=True, num_samples=64)
+    for _ in s.batches(torch.utils.data.DataLoader(DATA, batch_size=8, sampler=sampler, num_workers=2), 8):
+        pass
+
+
 CASES = {
     "amp_without_backward": (plain_step, ("train.amp=fp16",)),
     "accum_without_micro_batches": (plain_step, ("train.grad_accum=4",)),
@@ -114,6 +164,11 @@ CASES = {
     "stream_without_max_steps": (stream_without_max_steps, ("train.max_steps=null",)),
     "keep_a_reserved_name": (keep_a_reserved_name, ()),
     "grad_clip_set": (lambda s: None, ("train.grad_clip=1.0",)),
+    "nested_batches": (nested_batches, ()),
+    "empty_stream": (empty_stream, ()),
+    "batches_side_by_side": (batches_side_by_side, ()),
+    "keep_unloadable": (keep_unloadable, ()),
+    "dataloader_given": (dataloader_given, ()),
 }
 results = {}
 for name, (body, extra) in CASES.items():
@@ -132,4 +187,20 @@ for name, body in (("resume_unexpected_name", resume_unexpected_name), ("resume_
         results[name] = None
     except Exception as exc:
         results[name] = [type(exc).__name__, str(exc)]
+results["keep_unloadable_saved"] = sorted(path.name for path in (base / "keep_unloadable").rglob("step-*"))
+
+# A script that builds its dataset anew each epoch (examples/word_lm_tbptt.py): the feed before is let go, and
+# its loader's workers shut down (the loader processes alive after each epoch's s.batches).
+import multiprocessing  # noqa: E402
+
+children = []
+with session("feeds", "train.epochs=4", "data.num_workers=1") as s:
+    net = s.model(nn.Linear(4, 1))
+    s.keep(net=net)
+    for _epoch in s.epochs():
+        for _ in s.batches(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), 8):
+            pass
+        children.append(len(multiprocessing.active_children()))
+results["loader_processes_by_epoch"] = children
+results["loader_processes_at_end"] = len(multiprocessing.active_children())
 Path(out).write_text(json.dumps(results))
