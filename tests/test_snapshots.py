@@ -325,12 +325,19 @@ def test_a_node_without_the_newest_snapshot_receives_it_from_a_peer_and_both_agr
     assert [(r["every"], r["due"]) for r in ranks] == [(400, [10, 11, 12, 13, 14, 400, 800])] * 2
 
 
-def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots(tmp_path):
-    """nan at the 4th step under train.nonfinite=stop, no restart left: nothing on the node would read them."""
+@pytest.mark.e2e
+def test_a_job_that_fails_on_its_last_attempt_removes_its_snapshots_and_names_the_rank_that_failed_first(tmp_path):
+    """Rank 1 alone raises ValueError at its 4th step, no restart left: nothing on the node would read the snapshots.
+    summary.json (rank 0's) names rank 1 and its ValueError, not the broken connection rank 0 met (issue 36)."""
     root = tmp_path / "shm"
-    done = run_job(tmp_path / "run", 1, "task=nan_tasks:nan_at", "task_options.steps=[4]", "train.nonfinite=stop",
-                   "train.max_steps=8", f"checkpoint.snapshot_dir={root}", expect_ok=False)  # fmt: skip
-    assert done.returncode != 0 and read_summary(tmp_path / "run")["status"] == "failed", done.stdout[-3000:]
+    done = run_job(tmp_path / "run", 2, "task=nan_tasks:nan_at", "task_options.steps=[4]",
+                   "task_options.raise_on_rank=1", "train.max_steps=8", f"checkpoint.snapshot_dir={root}",
+                   expect_ok=False)  # fmt: skip
+    summary = read_summary(tmp_path / "run")
+    assert done.returncode != 0 and summary["status"] == "failed", done.stdout[-3000:]
+    expected = "ValueError: rank 1 alone: bad batch at forward 4"
+    assert (summary.get("failed_rank"), summary["error"]) == (1, expected), done.stdout[-3000:]
+    assert f"[rank 0] ERROR rank 1 failed first: {expected}" in done.stdout, done.stdout[-3000:]
     assert list((root / f"ddp-service-{os.getuid()}").iterdir()) == []  # made, written to, and removed
 
 

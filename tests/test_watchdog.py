@@ -183,6 +183,24 @@ def publish_peer(store, rank: int, step_done: int, phase: str, heard: float) -> 
     store.set(str(rank), json.dumps(record))
 
 
+def test_every_rank_that_fails_learns_the_first_one_and_its_own_error_from_the_store(tmp_path):
+    """Issue 36: rank 1 raises; rank 0 then meets the broken connection it left. Both count themselves in the
+    store, in order: the first is rank 1, with its ValueError. A store that does not answer: this rank's own."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    first = make_watchdog(tmp_path, store, rank=1)[0]
+    then = make_watchdog(tmp_path, store, rank=0)[0]
+    assert first.first_failure("ValueError: a bad batch") == (1, "ValueError: a bad batch")
+    assert then.first_failure("RuntimeError: Connection closed by peer") == (1, "ValueError: a bad batch")
+    assert first.first_failure("again") == (1, "ValueError: a bad batch")  # the first stays the first
+
+    class Gone:
+        def add(self, key: str, value: int) -> int:
+            raise RuntimeError("connection refused")
+
+    alone = make_watchdog(tmp_path, Gone(), rank=0)[0]
+    assert alone.first_failure("RuntimeError: closed") == (0, "RuntimeError: closed")
+
+
 def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(tmp_path, capfd, caplog):
     store = dist.PrefixStore(PREFIX, dist.HashStore())
     watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store)

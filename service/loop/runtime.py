@@ -336,11 +336,16 @@ class Runtime:
         return self._summarize(status, extra, error=self.preemption.lock_lost)
 
     def fail(self, exc: BaseException, extra: Mapping[str, Any] | None = None) -> None:
-        """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written."""
+        """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written,
+        naming the first rank that failed and its own error (this one's may be the broken connection it left)."""
+        own = f"{type(exc).__name__}: {exc}"
+        rank, error = self.watchdog.first_failure(own)
+        if rank != self.world.rank:
+            log.error("rank %d failed first: %s (this rank's own error came after it: %s)", rank, error, own[:500])
         if last_attempt(self.world):
             self.roles.snapshots.discard()
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
-            self._summarize("failed", extra, error=f"{type(exc).__name__}: {exc}")
+            self._summarize("failed", {"failed_rank": rank, **(extra or {})}, error=error)
 
     def _summarize(self, status: str, extra: Mapping[str, Any] | None, error: str | None) -> dict[str, Any]:
         seconds = time.perf_counter() - self.started

@@ -55,6 +55,7 @@ from service.telemetry.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 PREFIX = "watchdog/"
+FAILED = "failed/"  # under PREFIX: the ranks that failed, in order (first_failure)
 POLL = 0.5  # seconds between looks at the record
 PUBLISH_EVERY = 1.0  # at most one store write a second
 STORE_DEADLINE = 2.0  # the longest any store call of the watchdog may take
@@ -202,6 +203,34 @@ class Watchdog:
                    config.dist.hang_timeout_seconds, config.dist.timeout_seconds, preemption, sink,
                    Path(config.run_dir) / "hangs.jsonl", data_seconds=config.dist.data_timeout_seconds,
                    on_leave=on_leave)  # fmt: skip
+
+    def first_failure(self, error: str, wait: float = STORE_DEADLINE) -> tuple[int, str]:
+        """This rank failed with ``error``: count it in the store, in the order the ranks failed (an atomic add),
+        and return the first rank that failed and its own error, not the broken connection a peer's exit left the
+        others (this rank's own when it was first, or the store does not answer within ``wait`` seconds)."""
+        record = json.dumps({"rank": self.rank, "error": error[:4000]})
+
+        def count(store: Any) -> int:
+            order = int(store.add(FAILED + "count", 1))
+            store.set(f"{FAILED}{order}", record)
+            return order
+
+        answered, order = self.store.call(count)
+        if not answered or order == 1:
+            return self.rank, error
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:  # the first one set its record right after its count
+            answered, raw = self.store.call(lambda store: store.get(FAILED + "1") if store.check([FAILED + "1"])
+                                            else None)  # fmt: skip
+            if not answered:
+                break
+            if raw is not None:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    first = json.loads(raw)
+                    return int(first["rank"]), str(first["error"])
+                break
+            time.sleep(0.05)
+        return self.rank, error
 
     def leave(self, code: int) -> None:
         """``on_leave`` (never stopping the exit), then the exit."""
