@@ -304,6 +304,35 @@ def test_a_peer_waiting_for_its_data_or_compiling_is_waited_for_within_its_bound
         assert left == [1], phase
 
 
+def test_every_graph_compiled_counts_as_compiling_whenever_dynamo_was_loaded_and_after_a_reset(tmp_path):
+    """Issue 36: the callbacks were registered only if dynamo was loaded when the watchdog started, and it never is
+    (DDP's constructor loads it later): no compilation counted, and an evaluation's compile under a short hang
+    timeout was a hang. Now each look registers them (and after torch._dynamo.reset(), which clears them): a
+    first graph, a dynamic-shape recompile and a compile after a reset each run while the record says compiling."""
+    import torch._dynamo
+
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store)
+    torch._dynamo.reset()  # as if loaded after the watchdog started: no callback of it registered
+    seen: list[int] = []
+
+    def backend(graph, example_inputs):
+        seen.append(progress.compiling)
+        return graph.forward
+
+    try:
+        watchdog.check()
+        double = torch.compile(lambda x: x * 2, backend=backend)
+        double(torch.ones(2))
+        double(torch.ones(3))  # another shape: a recompile, with dynamic shapes
+        torch._dynamo.reset()
+        watchdog.check()
+        double(torch.ones(4))
+    finally:
+        watchdog.stop()
+    assert seen == [1, 1, 1] and progress.compiling == 0 and left == []
+
+
 def test_compiling_is_progress_bounded_by_the_startup_bound(tmp_path):
     """#24.12: dynamo's compile callbacks mark the record; a compilation long after the steps set a 5 s timeout is no
     hang until dist.timeout_seconds (300 s here)."""

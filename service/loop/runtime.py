@@ -33,7 +33,7 @@ from service.loop.parallel import unwrap, wrap_model
 from service.loop.progress import Progress
 from service.loop.roles import build_roles
 from service.loop.syncbn import tick_collectives
-from service.loop.watchdog import Watchdog
+from service.loop.watchdog import Watchdog, watch_compilation
 from service.loop.window import Window, scalar
 from service.loop.wrapped import ServiceDDP
 from service.state.checkpoint_io import FORMAT
@@ -183,6 +183,7 @@ class Runtime:
                 "before it, so that its state is kept and restored before the first step."
             )
         wrapped = wrap_model(module, self.config.train, self.config.ddp, self.world, self.device)
+        watch_compilation(self.progress)  # DDP and train.compile load dynamo: its compilations are progress now
         if isinstance(wrapped, ServiceDDP):
             wrapped.watch(self.progress)
         tick_collectives(wrapped, self.progress.collective)

@@ -143,24 +143,29 @@ def describe(rank: int, record: Record | None, now: float, silent_after: float) 
     return text
 
 
-def watch_compilation(progress: Progress) -> Callable[[], None]:
-    """Count torch.compile's compilations on ``progress`` (dynamo's start and end callbacks); returns the undo.
-
-    Only where dynamo is loaded already (DDP's constructor and ``train.compile`` load it): nothing to watch else.
-    """
+def watch_compilation(progress: Progress) -> None:
+    """Count torch.compile's compilations on ``progress`` (dynamo's start and end callbacks), once dynamo is loaded
+    (DDP's constructor and ``train.compile`` load it, after the watchdog starts): called at the start, at each of
+    the watchdog's looks and after each model is wrapped. Idempotent; registers again what ``torch._dynamo.reset()``
+    cleared. Nothing is imported here: dynamo's import takes 2 s."""
     if "torch._dynamo" not in sys.modules:
-        return lambda: None
+        return
     from torch._dynamo.callback import callback_handler
 
-    callback_handler.register_start_callback(progress.compile_started)
-    callback_handler.register_end_callback(progress.compile_ended)
+    if progress.compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(progress.compile_started)
+    if progress.compile_ended not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(progress.compile_ended)
 
-    def undo() -> None:
-        with contextlib.suppress(ValueError):
-            callback_handler.remove_start_callback(progress.compile_started)
-            callback_handler.remove_end_callback(progress.compile_ended)
 
-    return undo
+def unwatch_compilation(progress: Progress) -> None:
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    with contextlib.suppress(ValueError):
+        dynamo.callback_handler.remove_start_callback(progress.compile_started)
+    with contextlib.suppress(ValueError):
+        dynamo.callback_handler.remove_end_callback(progress.compile_ended)
 
 
 class Watchdog:
@@ -239,7 +244,7 @@ class Watchdog:
         self._exit(code)
 
     def start(self) -> None:
-        self._unwatch = watch_compilation(self.progress)
+        watch_compilation(self.progress)
         self._thread = threading.Thread(target=self._run, name="ddp-watchdog", daemon=True)
         self._thread.start()
 
@@ -247,7 +252,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(STORE_DEADLINE + 1)
-        getattr(self, "_unwatch", lambda: None)()
+        unwatch_compilation(self.progress)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL):
@@ -259,6 +264,7 @@ class Watchdog:
 
     def check(self) -> None:
         """One look: publish the record when due, then the two triggers."""
+        watch_compilation(self.progress)  # dynamo loaded since the last look (or reset): its compilations count
         now, wall = self.clock(), self.wall()
         frozen, self._looked = now - self._looked > FROZEN_AFTER, now
         state = self.progress.snapshot()
