@@ -193,6 +193,11 @@ def test_stale_snapshot_areas_are_listed_with_their_size_and_the_command_and_non
         "fix": None,
         "detail": f"2 under {root / f'ddp-service-{os.getuid()}'}, none stale",
     }
+    os.chown(root / f"ddp-service-{os.getuid()}", 4242, 4242)  # another user's root (issue 36): no job keeps any
+    code, checks = doctor(capsys, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"checkpoint.snapshot_dir={root}")
+    assert checks["snapshot areas"]["status"] == "warn", checks["snapshot areas"]
+    assert "snapshots are off for this user's jobs here: " in checks["snapshot areas"]["detail"]
+    assert "is owned by uid 4242, not by this user" in checks["snapshot areas"]["detail"]
 
 
 def test_metrics_ports_in_the_ephemeral_range_are_a_warning_naming_the_range_and_a_port_below_it(tmp_path, capsys):

@@ -298,6 +298,23 @@ def test_reading_the_ledger_takes_memory_that_does_not_grow_with_its_lines_and_a
     assert fold(kept[:1]) == fold([last]) and sink.earlier == [last]
 
 
+def test_a_start_removes_what_a_compaction_killed_before_its_rename_left(tmp_path):
+    """Issue 36: a SIGKILL during the ledger's compaction lost nothing, but left its temporary file for good. The
+    next start removes every such file (rank 0 alone compacts, under run_dir's lock), and nothing else."""
+    path = tmp_path / LEDGER
+    last = ledger_of_one_start(path, 3)
+    stale = [tmp_path / f".{LEDGER}.{pid}.tmp" for pid in (4242, os.getpid())]
+    for leftover in stale:
+        leftover.write_bytes(b"half a record")
+    others = [tmp_path / f".{LEDGER}.not-a-pid.tmp", tmp_path / "goodput-20260101T000000.jsonl"]
+    for other in others:
+        other.write_bytes(b"")
+    sink = GoodputSink(tmp_path, 1e9, StartTimes(time.time() - 1), 1, 2)
+    sink.close()
+    assert not any(leftover.exists() for leftover in stale) and all(other.exists() for other in others)
+    assert read_ledger(path)[0] == last
+
+
 def test_a_fifo_at_the_ledger_or_the_hang_record_is_refused_with_a_warning_never_waited_on(tmp_path, caplog, capsys):
     """Issue 24: both were opened with a plain open(): a FIFO planted there blocked every start forever."""
     import threading

@@ -183,6 +183,24 @@ def publish_peer(store, rank: int, step_done: int, phase: str, heard: float) -> 
     store.set(str(rank), json.dumps(record))
 
 
+def test_every_rank_that_fails_learns_the_first_one_and_its_own_error_from_the_store(tmp_path):
+    """Issue 36: rank 1 raises; rank 0 then meets the broken connection it left. Both count themselves in the
+    store, in order: the first is rank 1, with its ValueError. A store that does not answer: this rank's own."""
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    first = make_watchdog(tmp_path, store, rank=1)[0]
+    then = make_watchdog(tmp_path, store, rank=0)[0]
+    assert first.first_failure("ValueError: a bad batch") == (1, "ValueError: a bad batch")
+    assert then.first_failure("RuntimeError: Connection closed by peer") == (1, "ValueError: a bad batch")
+    assert first.first_failure("again") == (1, "ValueError: a bad batch")  # the first stays the first
+
+    class Gone:
+        def add(self, key: str, value: int) -> int:
+            raise RuntimeError("connection refused")
+
+    alone = make_watchdog(tmp_path, Gone(), rank=0)[0]
+    assert alone.first_failure("RuntimeError: closed") == (0, "RuntimeError: closed")
+
+
 def test_a_stall_past_the_timeout_names_the_silent_peer_dumps_stacks_and_leaves(tmp_path, capfd, caplog):
     store = dist.PrefixStore(PREFIX, dist.HashStore())
     watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store)
@@ -284,6 +302,35 @@ def test_a_peer_waiting_for_its_data_or_compiling_is_waited_for_within_its_bound
         store.set("1", json.dumps({**record, "heard": clock.now}))
         watchdog.check()
         assert left == [1], phase
+
+
+def test_every_graph_compiled_counts_as_compiling_whenever_dynamo_was_loaded_and_after_a_reset(tmp_path):
+    """Issue 36: the callbacks were registered only if dynamo was loaded when the watchdog started, and it never is
+    (DDP's constructor loads it later): no compilation counted, and an evaluation's compile under a short hang
+    timeout was a hang. Now each look registers them (and after torch._dynamo.reset(), which clears them): a
+    first graph, a dynamic-shape recompile and a compile after a reset each run while the record says compiling."""
+    import torch._dynamo
+
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    watchdog, progress, clock, left, sink = make_watchdog(tmp_path, store)
+    torch._dynamo.reset()  # as if loaded after the watchdog started: no callback of it registered
+    seen: list[int] = []
+
+    def backend(graph, example_inputs):
+        seen.append(progress.compiling)
+        return graph.forward
+
+    try:
+        watchdog.check()
+        double = torch.compile(lambda x: x * 2, backend=backend)
+        double(torch.ones(2))
+        double(torch.ones(3))  # another shape: a recompile, with dynamic shapes
+        torch._dynamo.reset()
+        watchdog.check()
+        double(torch.ones(4))
+    finally:
+        watchdog.stop()
+    assert seen == [1, 1, 1] and progress.compiling == 0 and left == []
 
 
 def test_compiling_is_progress_bounded_by_the_startup_bound(tmp_path):

@@ -33,7 +33,7 @@ from service.loop.parallel import unwrap, wrap_model
 from service.loop.progress import Progress
 from service.loop.roles import build_roles
 from service.loop.syncbn import tick_collectives
-from service.loop.watchdog import Watchdog
+from service.loop.watchdog import Watchdog, watch_compilation
 from service.loop.window import Window, scalar
 from service.loop.wrapped import ServiceDDP
 from service.state.checkpoint_io import FORMAT
@@ -187,6 +187,7 @@ class Runtime:
                 "before it, so that its state is kept and restored before the first step."
             )
         wrapped = wrap_model(module, self.config.train, self.config.ddp, self.world, self.device)
+        watch_compilation(self.progress)  # DDP and train.compile load dynamo: its compilations are progress now
         if isinstance(wrapped, ServiceDDP):
             wrapped.watch(self.progress)
         tick_collectives(wrapped, self.progress.collective)
@@ -339,11 +340,16 @@ class Runtime:
         return self._summarize(status, extra, error=self.preemption.lock_lost)
 
     def fail(self, exc: BaseException, extra: Mapping[str, Any] | None = None) -> None:
-        """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written."""
+        """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written,
+        naming the first rank that failed and its own error (this one's may be the broken connection it left)."""
+        own = f"{type(exc).__name__}: {exc}"
+        rank, error = self.watchdog.first_failure(own)
+        if rank != self.world.rank:
+            log.error("rank %d failed first: %s (this rank's own error came after it: %s)", rank, error, own[:500])
         if last_attempt(self.world):
             self.roles.snapshots.discard()
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
-            self._summarize("failed", extra, error=f"{type(exc).__name__}: {exc}")
+            self._summarize("failed", {"failed_rank": rank, **(extra or {})}, error=error)
 
     def _summarize(self, status: str, extra: Mapping[str, Any] | None, error: str | None) -> dict[str, Any]:
         seconds = time.perf_counter() - self.started

@@ -55,6 +55,7 @@ from service.telemetry.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 PREFIX = "watchdog/"
+FAILED = "failed/"  # under PREFIX: the ranks that failed, in order (first_failure)
 POLL = 0.5  # seconds between looks at the record
 PUBLISH_EVERY = 1.0  # at most one store write a second
 STORE_DEADLINE = 2.0  # the longest any store call of the watchdog may take
@@ -142,24 +143,29 @@ def describe(rank: int, record: Record | None, now: float, silent_after: float) 
     return text
 
 
-def watch_compilation(progress: Progress) -> Callable[[], None]:
-    """Count torch.compile's compilations on ``progress`` (dynamo's start and end callbacks); returns the undo.
-
-    Only where dynamo is loaded already (DDP's constructor and ``train.compile`` load it): nothing to watch else.
-    """
+def watch_compilation(progress: Progress) -> None:
+    """Count torch.compile's compilations on ``progress`` (dynamo's start and end callbacks), once dynamo is loaded
+    (DDP's constructor and ``train.compile`` load it, after the watchdog starts): called at the start, at each of
+    the watchdog's looks and after each model is wrapped. Idempotent; registers again what ``torch._dynamo.reset()``
+    cleared. Nothing is imported here: dynamo's import takes 2 s."""
     if "torch._dynamo" not in sys.modules:
-        return lambda: None
+        return
     from torch._dynamo.callback import callback_handler
 
-    callback_handler.register_start_callback(progress.compile_started)
-    callback_handler.register_end_callback(progress.compile_ended)
+    if progress.compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(progress.compile_started)
+    if progress.compile_ended not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(progress.compile_ended)
 
-    def undo() -> None:
-        with contextlib.suppress(ValueError):
-            callback_handler.remove_start_callback(progress.compile_started)
-            callback_handler.remove_end_callback(progress.compile_ended)
 
-    return undo
+def unwatch_compilation(progress: Progress) -> None:
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    with contextlib.suppress(ValueError):
+        dynamo.callback_handler.remove_start_callback(progress.compile_started)
+    with contextlib.suppress(ValueError):
+        dynamo.callback_handler.remove_end_callback(progress.compile_ended)
 
 
 class Watchdog:
@@ -203,6 +209,34 @@ class Watchdog:
                    Path(config.run_dir) / "hangs.jsonl", data_seconds=config.dist.data_timeout_seconds,
                    on_leave=on_leave)  # fmt: skip
 
+    def first_failure(self, error: str, wait: float = STORE_DEADLINE) -> tuple[int, str]:
+        """This rank failed with ``error``: count it in the store, in the order the ranks failed (an atomic add),
+        and return the first rank that failed and its own error, not the broken connection a peer's exit left the
+        others (this rank's own when it was first, or the store does not answer within ``wait`` seconds)."""
+        record = json.dumps({"rank": self.rank, "error": error[:4000]})
+
+        def count(store: Any) -> int:
+            order = int(store.add(FAILED + "count", 1))
+            store.set(f"{FAILED}{order}", record)
+            return order
+
+        answered, order = self.store.call(count)
+        if not answered or order == 1:
+            return self.rank, error
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:  # the first one set its record right after its count
+            answered, raw = self.store.call(lambda store: store.get(FAILED + "1") if store.check([FAILED + "1"])
+                                            else None)  # fmt: skip
+            if not answered:
+                break
+            if raw is not None:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    first = json.loads(raw)
+                    return int(first["rank"]), str(first["error"])
+                break
+            time.sleep(0.05)
+        return self.rank, error
+
     def leave(self, code: int) -> None:
         """``on_leave`` (never stopping the exit), then the exit."""
         with contextlib.suppress(Exception):
@@ -210,7 +244,7 @@ class Watchdog:
         self._exit(code)
 
     def start(self) -> None:
-        self._unwatch = watch_compilation(self.progress)
+        watch_compilation(self.progress)
         self._thread = threading.Thread(target=self._run, name="ddp-watchdog", daemon=True)
         self._thread.start()
 
@@ -218,7 +252,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(STORE_DEADLINE + 1)
-        getattr(self, "_unwatch", lambda: None)()
+        unwatch_compilation(self.progress)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL):
@@ -230,6 +264,7 @@ class Watchdog:
 
     def check(self) -> None:
         """One look: publish the record when due, then the two triggers."""
+        watch_compilation(self.progress)  # dynamo loaded since the last look (or reset): its compilations count
         now, wall = self.clock(), self.wall()
         frozen, self._looked = now - self._looked > FROZEN_AFTER, now
         state = self.progress.snapshot()

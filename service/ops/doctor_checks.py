@@ -28,6 +28,7 @@ from service.rendezvous.options import ClientOptions, Endpoint, RendezvousOption
 from service.rendezvous.ports import EPHEMERAL_RANGE_FILE, ephemeral_range
 from service.state.checkpoint_io import nearest_existing
 from service.state.snapshot import MARKER, areas_root, list_areas, read_owner
+from service.state.snapshot_area import foreign
 from service.world.holder import pid_alive, process_start
 
 MiB = 1 << 20
@@ -391,6 +392,9 @@ def check_snapshot_areas(config: JobConfig, host: str | None = None) -> Check:
     reads them again. Listed with their size and the command that removes them; doctor removes nothing."""
     root = areas_root(config.checkpoint.snapshot_dir)
     host = host or socket.gethostname()
+    squatted = foreign(root)
+    if squatted is not None:  # a job here would keep no snapshots
+        return Check("snapshot areas", "warn", f"in-memory snapshots are off for this user's jobs here: {squatted}")
     try:
         areas = list_areas(config.checkpoint.snapshot_dir)
     except FileNotFoundError:

@@ -23,6 +23,7 @@ refused and nothing in it runs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -138,14 +139,16 @@ def free_space(directory: Path) -> str:
 
 def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_hash: str,
                      lineage: str | None = None, checksum: Checksum = "sha256",
-                     zip_crc32: bool = True) -> Manifest:  # fmt: skip
+                     zip_crc32: bool = True, create: bool = True) -> Manifest:  # fmt: skip
     """Write ``state`` as the checkpoint of ``step``, replacing one of that step atomically.
 
     Both files are written under temporary names and fsynced before either is
     renamed, so a full disk or a crash leaves the previous checkpoints valid
     and never a newest one that looks complete but is not. ``checksum``: the
     kind the manifest names; ``zip_crc32=False`` leaves torch.save's own crc32
-    out (:func:`save_without_crc32`).
+    out (:func:`save_without_crc32`); ``create=False``: ``directory`` must exist
+    (a snapshot area that vanished is not made again, with another mode and no
+    marker). Whatever fails, every file and writer opened here is closed.
     """
     from service.version import __version__
 
@@ -154,7 +157,8 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
     tmp_manifest = directory / f".{manifest_path.name}.{os.getpid()}.tmp"
     serialize = torch.save if zip_crc32 else save_without_crc32
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
 
         def save(file: BinaryIO) -> HashingWriter:
             writer = HashingWriter(file, checksum)
@@ -169,7 +173,8 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
                     raise writer.error from None
                 raise
             finally:
-                buffered.detach()  # the file stays open for the fsync; closing it is _write_synced's
+                with contextlib.suppress(OSError, ValueError):  # a failed flush: the error above is the one told
+                    buffered.close()  # closes the hashing writer only: the file stays open for _write_synced's fsync
             return writer
 
         writer = _write_synced(tmp_state, save)

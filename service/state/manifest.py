@@ -11,6 +11,7 @@ already covers. Nothing in a manifest is used before pydantic has checked it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import pickle
@@ -116,6 +117,14 @@ def save_without_crc32(state: Any, file: BinaryIO) -> None:
     if archive is None or save is None:
         torch.save(state, file)
         return
-    save(state, archive, pickle, serialization.DEFAULT_PROTOCOL, False)
+    try:
+        save(state, archive, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # As torch.save's own writer does on its way out: a writer left open writes its end from its destructor,
+        # later, into a file that may be detached or closed by then, and an error there ends the process (SIGABRT).
+        # write_end_of_file marks it finished even when it raises.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
     archive.write_end_of_file()
     file.flush()

@@ -30,170 +30,69 @@ the serialisation into shared memory then goes on in the background. At most
 one snapshot is in flight: a step that comes while one is still being written
 is not snapshotted.
 
-Which area is a node's: one directory per (run_dir, run id, host, agent
-process), under a root owned by this user (mode 0700), with a marker
-``job.json`` naming them. A restarted worker of the same agent finds its
-node's area; another job's leftovers sit under another name, and an area whose
-marker names another job is ignored (and replaced when this job writes): it is
-never loaded. The area is removed when the job completes, is preempted (its
-disk checkpoint of that step is saved first) or fails on its last attempt.
+Which area is a node's, and why one on a root another user made is never used:
+:mod:`service.state.snapshot_area`. The area is removed when the job completes,
+is preempted (its disk checkpoint of that step is saved first) or fails on its
+last attempt.
+
+A snapshot never ends a job: any failure to take, serialise or write one (a
+state that cannot be pickled, a full or read-only shared memory, an area
+removed under it) turns snapshots off for the rest of this start, with one
+warning naming the cause; training and the disk checkpoints go on.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import errno
 import logging
-import os
 import shutil
-import socket
-import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from service.state.checkpoint import StagingBuffer, state_bytes
-from service.state.checkpoint_io import prune, read_small, write_checkpoint
+from service.state.checkpoint_io import CheckpointWriteError, prune, write_checkpoint
+from service.state.snapshot_area import (
+    MARKER,
+    Area,
+    areas_of_agent,
+    areas_root,
+    list_areas,
+    node_area,
+    read_owner,
+)
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MARKER", "Area", "SnapshotWriter", "Snapshots", "areas_of_agent", "areas_root", "build_snapshots",
+           "list_areas", "node_area", "read_owner"]  # fmt: skip
+
 StateFn = Callable[[], dict[str, Any]]
-MARKER = "job.json"
 KEEP = 1  # complete snapshots kept; the one being written is the second
 
 
-@dataclass(frozen=True)
-class Area:
-    """One node's snapshot directory for one job, and the marker that says whose it is."""
-
-    path: Path
-    owner: dict[str, Any]
-
-    def problem(self) -> str | None:
-        """Why this area must not be read (None: it is this job's, or it does not exist yet)."""
-        for directory in (self.path.parent, self.path):
-            try:
-                info = os.lstat(directory)
-            except FileNotFoundError:
-                return None
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                return (f"{directory} is not a directory of this user with mode 0700; nothing in it is read "
-                        "(remove it if you did not make it)")  # fmt: skip
-        try:
-            raw = read_small(self.path, MARKER, 4096)
-            marker = json.loads(raw) if raw is not None else None
-        except FileNotFoundError:
-            return f"{self.path} has no {MARKER}; it is not a snapshot area of this job"
-        except ValueError as exc:
-            return f"its {MARKER} is not readable ({exc})"
-        if marker != self.owner:
-            return f"its {MARKER} names another job ({marker!r}); this job is {self.owner!r}"
-        return None
-
-    def readable(self) -> Path | None:
-        """The directory to resume from, when it exists and is this job's; a warning when it is not."""
-        if not self.path.exists():
-            return None
-        why = self.problem()
-        if why is not None:
-            log.warning("ignoring the snapshots in %s: %s", self.path, why)
-            return None
-        return self.path
-
-    def prepare(self) -> None:
-        """Make the root and the area (mode 0700) and write the marker; an area of another job is emptied first."""
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.path.exists() and self.problem() is not None:
-            shutil.rmtree(self.path)
-        self.path.mkdir(mode=0o700, exist_ok=True)
-        marker = self.path / MARKER
-        if not marker.exists():
-            temporary = self.path / f".{MARKER}.{os.getpid()}.tmp"
-            temporary.write_text(json.dumps(self.owner))
-            os.replace(temporary, marker)
-        why = self.problem()
-        if why is not None:
-            raise OSError(why)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+class SnapshotFailed(RuntimeError):
+    """A snapshot could not be written; the message says why, and the writer turns snapshots off."""
 
 
-def node_area(root: str, run_dir: str, run_id: str | None, host: str | None = None,
-              agent: int | None = None) -> Area | None:  # fmt: skip
-    """This node's area for this job, or None without a run id (nothing restarts such a process in place).
-
-    ``agent``: the process that restarts this worker (its parent: torchrun's agent, or slurmstepd).
-    """
-    if not run_id:
-        return None
-    owner = {
-        "run_dir": str(Path(run_dir).resolve()),
-        "run_id": run_id,
-        "host": host or socket.gethostname(),
-        "agent": os.getppid() if agent is None else agent,
-    }
-    key = hashlib.sha256(json.dumps(owner, sort_keys=True).encode()).hexdigest()[:24]
-    return Area(areas_root(root) / key, owner)
-
-
-def areas_root(root: str | Path) -> Path:
-    """Where this user's snapshot areas lie under ``checkpoint.snapshot_dir``."""
-    return Path(root) / f"ddp-service-{os.getuid()}"
-
-
-def list_areas(root: str | Path) -> list[Path]:
-    """The directories of this user's snapshot areas under ``root`` (symlinks left out), sorted.
-
-    Raises ``OSError`` when they cannot be listed (``FileNotFoundError`` when there is none yet).
-    """
-    return sorted(path for path in areas_root(root).iterdir() if path.is_dir() and not path.is_symlink())
-
-
-def read_owner(area: Path) -> dict[str, Any]:
-    """What the marker of ``area`` says: its job (run_dir, run id) and the agent process and host that own it.
-
-    Raises ``FileNotFoundError`` without a marker, ``ValueError`` (whose text says why) for a marker that cannot
-    be read or names no agent process and host.
-    """
-    try:
-        raw = read_small(area, MARKER, 4096)
-        owner = json.loads(raw) if raw is not None else None
-    except ValueError as exc:
-        raise ValueError(f"its {MARKER} cannot be read ({exc})") from exc
-    if not isinstance(owner, dict) or type(owner.get("agent")) is not int or not isinstance(owner.get("host"), str):
-        raise ValueError(f"its {MARKER} names no agent process")
-    return owner
-
-
-def areas_of_agent(root: str, agent: int, host: str | None = None) -> list[Area]:
-    """The areas under ``root`` whose marker names ``agent`` on this host: what that agent's workers wrote.
-
-    Only directories of this user with mode 0700 (see :meth:`Area.problem`) and a readable marker count.
-    """
-    host = host or socket.gethostname()
-    found = []
-    try:
-        paths = list_areas(root)
-    except OSError:
-        return []
-    for path in paths:
-        try:
-            owner = read_owner(path)
-        except (OSError, ValueError):
-            continue
-        if owner["agent"] == agent and owner["host"] == host:
-            area = Area(path, owner)
-            if area.problem() is None:
-                found.append(area)
-    return found
+def failure(exc: BaseException, step: int, area: Path) -> str:
+    """Why the snapshot of ``step`` failed, for the one warning that turns snapshots off: the disk's error (a full
+    or read-only shared memory, an area removed), or what in the state cannot be serialized."""
+    cause = exc.__cause__ if isinstance(exc, CheckpointWriteError) else exc
+    if isinstance(cause, OSError):
+        code = errno.errorcode.get(cause.errno or 0, "")
+        return (f"the snapshot of step {step} could not be written into {area}: {cause.strerror or cause}"
+                f"{f' ({code})' if code else ''}. Give the node more shared memory, or point "
+                "checkpoint.snapshot_dir at a writable tmpfs with room for two snapshots")  # fmt: skip
+    first = (str(exc).splitlines() or [""])[0][:300]
+    return (f"the state of step {step} could not be serialized ({type(exc).__name__}: {first}); a checkpoint holds "
+            "tensors and plain containers only, so keep objects whose state_dict returns nothing else")  # fmt: skip
 
 
 class Snapshots:
@@ -269,6 +168,9 @@ class SnapshotWriter(Snapshots):
                            "checkpoint.snapshot_dir at a larger tmpfs")  # fmt: skip
 
     def _turn_off(self, why: str) -> None:
+        """Snapshots off for the rest of this start, with one warning naming why; nothing more is submitted."""
+        if not self.enabled:
+            return
         self.enabled = False
         log.warning("in-memory snapshots are off on this node: %s. Resume falls back to the disk checkpoints "
                     "(every checkpoint.every_steps); checkpoint.snapshot_every=0 silences this.", why)  # fmt: skip
@@ -280,19 +182,27 @@ class SnapshotWriter(Snapshots):
             self.skipped += 1  # at most one in flight: this step is not snapshotted
             return
         self._collect()
+        if not self.enabled:  # the last one failed: not this one either
+            return
         began = time.perf_counter()
-        snapshot = state()
-        # The next forward updates the buffers (BatchNorm's statistics): copy them now; the rest in the background.
-        for name, buffers in self._buffers.items():
-            if name in snapshot:
-                snapshot[name] = {key: value.detach().clone() if key in buffers else value
-                                  for key, value in snapshot[name].items()}  # fmt: skip
-        done = None
-        if self._side is not None:
-            done = torch.cuda.Event()
-            done.record()
-        self._copied.clear()
-        self._inflight = self._thread.submit(self._write, global_step, snapshot, done)
+        try:
+            snapshot = state()
+            # The next forward updates the buffers (BatchNorm's statistics): copy them now; the rest in the
+            # background.
+            for name, buffers in self._buffers.items():
+                if name in snapshot:
+                    snapshot[name] = {key: value.detach().clone() if key in buffers else value
+                                      for key, value in snapshot[name].items()}  # fmt: skip
+            done = None
+            if self._side is not None:
+                done = torch.cuda.Event()
+                done.record()
+            self._copied.clear()
+            self._inflight = self._thread.submit(self._write, global_step, snapshot, done)
+        except Exception as exc:  # a snapshot never ends the job: the disk checkpoint meets such a state itself
+            self._copied.set()
+            self._turn_off(failure(exc, global_step, self.area.path))
+            return
         self._boundary, self._waited = time.perf_counter() - began, 0.0
 
     def before_update(self) -> None:
@@ -338,8 +248,11 @@ class SnapshotWriter(Snapshots):
                         global_step, int(first_bad))  # fmt: skip
             return time.thread_time() - cpu
         started = time.perf_counter()
-        write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage, checksum="xxh3_128",
-                         zip_crc32=False)  # fmt: skip
+        try:
+            write_checkpoint(self.area.path, global_step, staged, self.config_hash, self.lineage,
+                             checksum="xxh3_128", zip_crc32=False, create=False)  # fmt: skip
+        except Exception as exc:
+            raise SnapshotFailed(failure(exc, global_step, self.area.path)) from exc
         prune(self.area.path, KEEP, global_step)
         self.written += 1
         log.debug("snapshot of step %d written to %s in %.3f s", global_step, self.area.path,
@@ -351,7 +264,7 @@ class SnapshotWriter(Snapshots):
         future, self._inflight = self._inflight, None
         error = future.exception() if future is not None else None
         if error is not None:
-            self._turn_off(f"the last snapshot failed ({error})")
+            self._turn_off(str(error) if isinstance(error, SnapshotFailed) else f"the last snapshot failed ({error})")
         elif future is not None:
             self.costs.append((self._boundary + self._waited, future.result()))
 

@@ -6,7 +6,8 @@ The fold (:mod:`service.telemetry.goodput`) needs only the last record of each s
 as a stream (:func:`read_starts`): a line at a time, none held over :data:`MAX_LINE` bytes, keeping only the
 newest valid record of each start. Memory grows with the number of starts, not of lines. At each start rank
 0 compacts the ledger (:func:`compact`): it is rewritten atomically as those records, so the next start reads
-a few lines, not the job's whole history. The file is opened only when it is a regular file
+a few lines, not the job's whole history; a compaction killed midway leaves a temporary file, removed at the next
+start. The file is opened only when it is a regular file
 (:mod:`service.state.files`): a FIFO planted at its name is refused with a warning, never waited on.
 
 A record is a line with its newline. The writer writes both in one ``os.write`` on an ``O_APPEND`` descriptor,
@@ -20,6 +21,7 @@ record the fold then counts as a gap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -154,7 +156,13 @@ def compact(path: Path, starts: list[Record], most: int = MAX_STARTS) -> None:
     was (with a warning). Only rank 0 writes the ledger, and this runs before its start appends anything. A
     ledger that is not a regular file, or of which nothing or not every start was read, is left alone: a read
     that reached ``most`` starts may have stopped there, so a ledger of exactly ``most`` starts is left as it is.
+    The temporary files of a compaction killed before its rename (rank 0 SIGKILLed) go first, whatever comes next.
     """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # only rank 0, holding run_dir's lock, compacts
+        if stale.name[len(path.name) + 2 : -4].isdigit():
+            with contextlib.suppress(OSError):
+                stale.unlink()
     if not starts or len(starts) >= most:  # nothing read (an unreadable file), or maybe not all of it
         return
     data = b"".join(record.model_dump_json().encode() + b"\n" for record in starts)
@@ -164,7 +172,6 @@ def compact(path: Path, starts: list[Record], most: int = MAX_STARTS) -> None:
         return
     if not stat.S_ISREG(info.st_mode) or info.st_size <= len(data):
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as file:
             file.write(data)

@@ -1,6 +1,7 @@
 """The shapes task compiled in place with a backend that takes ``task_options.eval_compile_seconds`` to compile the
-first graph it is given under ``no_grad`` (the evaluation's): a slow compilation long after start-up, as inductor's
-cold cache gave one (#24.12). The training graphs compile at once.
+first graph it is given under ``no_grad`` in eval mode (the evaluation's, not the settle step's at the first forward):
+a slow compilation long after start-up, as inductor's cold cache gave one (#24.12). The training graphs compile at
+once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def slow_eval_compile(spec: TaskSpec) -> Task:
     slept = []
 
     def backend(graph: Any, example_inputs: Any) -> Any:
-        if not torch.is_grad_enabled() and not slept:
+        if not torch.is_grad_enabled() and not task.model.training and not slept:  # not the settle step's
             slept.append(seconds)
             print(f"slow eval compilation begins: {seconds} s", file=sys.stderr, flush=True)
             time.sleep(seconds)
