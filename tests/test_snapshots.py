@@ -461,6 +461,7 @@ FAILING_WRITES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_a_snapshot_write_that_fails_closes_torchs_zip_writer_and_the_process_lives_on(tmp_path):
     """save_without_crc32 left torch's PyTorchFileWriter open when serialising raised: its destructor then wrote
     into the detached buffer and the process died of SIGABRT (issue 36). A state that cannot be pickled, a write
@@ -529,6 +530,7 @@ SQUATTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_a_root_of_the_areas_another_user_made_first_turns_snapshots_off_instead_of_failing_the_start(tmp_path):
     """Issue 36: /dev/shm is writable by every local user; one that makes /dev/shm/ddp-service-<uid> first (mode
     0700) made Path.exists() raise PermissionError in Runtime.__init__. Run as uid 65534 (the suite runs as root,
