@@ -47,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]  # this tree's service; paired.p
 
 
 def tiny(spec):  # noqa: ANN001, ANN201 - a task function: TaskSpec -> Task
-    """``layers`` x Linear(width, width) on fixed random pairs (``train_size``), mean squared error."""
+    """``layers`` x Linear(width, width) on ``train_size`` pairs (one random pair repeated), mean squared error."""
     from service.tasks.base import Task
 
     model, data = make(int(spec.option("width", 1)), int(spec.option("layers", 1)), int(spec.option("train_size", 64)))
@@ -61,7 +61,9 @@ def make(width: int, layers: int, size: int) -> tuple[Any, Any]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
-    data = TensorDataset(torch.randn(size, width, generator=generator), torch.randn(size, width, generator=generator))
+    # One random pair, seen ``size`` times (a stride-0 view): no memory however many steps or however wide.
+    pair = (torch.randn(1, width, generator=generator).expand(size, width) for _ in range(2))
+    data = TensorDataset(*pair)
     return model, data
 
 
@@ -91,7 +93,14 @@ class Clock:
             torch.cuda.synchronize()
         now = (time.perf_counter(), time.thread_time(), time.process_time())
         wall, thread, process = ((b - a) / max(steps, 1) for a, b in zip(self.began, now, strict=True))
-        self.row = {"door": self.door, "cuda": self.cuda, "wall": wall, "thread": thread, "process": process, "steps": steps}
+        self.row = {
+            "door": self.door,
+            "cuda": self.cuda,
+            "wall": wall,
+            "thread": thread,
+            "process": process,
+            "steps": steps,
+        }
 
     def __exit__(self, *exc: object) -> None:
         pass
@@ -129,10 +138,14 @@ class Bare:
 
 
 def step(model, optimizer, x, y):  # noqa: ANN001, ANN201 - torch objects
-    """The bare loop's step and the session's: zero, forward, backward, update."""
+    """The bare loop's step and the session's: zero, forward, backward, clip (to the service's default
+    ``train.grad_clip`` 1.0: training math, not overhead; the task loop's guard reuses its norm), update."""
+    import torch
+
     optimizer.zero_grad()
     loss = mse(model(x), y)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return loss
 
@@ -159,12 +172,15 @@ def timed(doors: dict[str, Callable[[Clock], None]], runs: int, cuda: bool) -> l
 
 def profiled(door: Callable[[Clock], None], cuda: bool) -> dict[str, float]:
     """One more epoch of ``door`` under cProfile: µs per step by item."""
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)  # CPU time: a wait in a collective costs none
     with Clock("profiled", cuda) as clock:
         profile.enable()
         door(clock)
         profile.disable()
-    return items(pstats.Stats(profile), clock.row["steps"])
+    return {**items(pstats.Stats(profile), clock.row["steps"]), PROFILED: clock.row["thread"] * 1e6}
+
+
+PROFILED = "the door's main-thread CPU under the profiler"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -250,15 +266,22 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     "progress marks (boundary)": (("loop/progress.py", "stepped"), ("loop/progress.py", "mark")),
     "forward marks (watchdog)": (("loop/progress.py", "forward_started"), ("loop/progress.py", "forward_done")),
     "DDP wrapper's own code": (("loop/wrapped.py", "forward"),),
+    "task step: non-finite guard, clip (bare clips too)": (("loop/nonfinite.py", "*"),),
+    "task step: LR schedule": (("torch/optim/lr_scheduler.py", "step"),),
+    "task step: its own code (train.py)": (("loop/train.py", "optimizer_step"),),
     "preemption check": (("state/preemption.py", "*"),),
     "save_due (checkpoint, snapshot)": (("loop/runtime.py", "save_due"),),
     "comm hook (main thread part)": (("telemetry/commtiming.py", "*"),),
-    "data path (plan, collate, to device)": (("loop/feeds.py", "*"), ("loop/sampler.py", "*"),
-                                             ("loop/batches.py", "*"), ("loop/session_data.py", "*")),  # fmt: skip
+    "data path (plan, collate, to device)": (
+        ("loop/feeds.py", "*"),
+        ("loop/sampler.py", "*"),
+        ("loop/batches.py", "*"),
+        ("loop/session_data.py", "*"),
+    ),  # fmt: skip
 }
 
 
-OWN = {"DDP wrapper's own code"}
+OWN = {"DDP wrapper's own code", "task step: its own code (train.py)"}
 
 
 def _classes() -> dict[tuple[str, str], str]:
@@ -269,7 +292,7 @@ def _classes() -> dict[tuple[str, str], str]:
 
     found = {}
     for cls in (metrics.PrometheusSink, metrics.TensorBoardSink):
-        for name, function in vars(cls).items():
+        for function in vars(cls).values():
             if inspect.isfunction(function):
                 found[(function.__code__.co_filename, str(function.__code__.co_firstlineno))] = cls.__name__
     return found
@@ -282,10 +305,14 @@ def items(stats: pstats.Stats, steps: int) -> dict[str, float]:
 
     def item_of(key: tuple[str, int, str]) -> str | None:
         filename, line, name = key
-        service_file = filename.replace(os.sep, "/").split("/service/", 1)
-        if len(service_file) != 2:
+        where = filename.replace(os.sep, "/")
+        if "/service/" in where:
+            path = where.split("/service/", 1)[1]
+        elif "/torch/" in where:
+            path = "torch/" + where.rsplit("/torch/", 1)[1]
+        else:
             return None
-        path, owner = service_file[1], classes.get((filename, str(line)))
+        owner = classes.get((filename, str(line)))
         for item, patterns in ITEMS.items():
             for file, function in patterns:
                 if path == file and function in ("*", name, owner):
@@ -319,6 +346,13 @@ def spread(values: list[float]) -> str:
     return f"{middle:8.1f}" + (f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else "")
 
 
+def per_run(rows: list[dict], door: str, key: str, minus: str | None = None) -> list[float]:
+    """µs per step of ``door`` in each run (less ``minus``'s in the same run)."""
+    by = {(row["door"], row["run"]): row for row in rows}
+    runs = sorted({row["run"] for row in rows})
+    return [(by[door, run][key] - (by[minus, run][key] if minus else 0.0)) * 1e6 for run in runs]
+
+
 def report(world: int, results: dict[str, dict]) -> None:
     """One world size's table: per door the µs per step (median over the runs, their range), then the items."""
     device = next(iter(results.values()))["device"]
@@ -326,24 +360,36 @@ def report(world: int, results: dict[str, dict]) -> None:
     print(f"{'door':<12}{'wall':>22}{'main-thread CPU':>24}{'process CPU':>24}{'main CPU over bare':>24}")
     for job in results.values():
         rows = job["rows"]
-        runs = sorted({row["run"] for row in rows})
-        by = {(row["door"], row["run"]): row for row in rows}
-        for door in dict.fromkeys(row["door"] for row in rows):
-            def us(key: str, minus: str | None = None, door: str = door) -> list[float]:
-                return [(by[door, run][key] - (by[minus, run][key] if minus else 0.0)) * 1e6 for run in runs]
-
-            over = spread(us("thread", "bare")) if door != "bare" else ""
-            print(f"{door:<12}{spread(us('wall')):>22}{spread(us('thread')):>24}{spread(us('process')):>24}{over:>24}")
-        if "task -hook" in {door for door, _ in by}:
-            hook = [(by["task", run]["process"] - by["task -hook", run]["process"]) * 1e6 for run in runs]
-            print(f"{'':<12}comm hook, process CPU (task - task -hook): {spread(hook).strip()} µs per step")
+        doors = list(dict.fromkeys(row["door"] for row in rows))
+        for door in doors:
+            over = spread(per_run(rows, door, "thread", "bare")) if door != "bare" else ""
+            cells = (spread(per_run(rows, door, key)) for key in ("wall", "thread", "process"))
+            print(f"{door:<12}" + "".join(f"{cell:>24}" for cell in cells) + f"{over:>24}")
+        if "task -hook" in doors:
+            hook = spread(per_run(rows, "task", "process", "task -hook")).strip()
+            print(f"{'':<12}the comm hook, process CPU (task - task -hook, run by run): {hook} µs per step")
     doors = list(results)
-    print(f"\nworld {world}: items, µs per step under cProfile (one epoch; the profiler adds ~1 µs a call)")
-    print(f"{'item':<40}" + "".join(f"{door:>12}" for door in doors))
-    for item in ITEMS:
-        print(f"{item:<40}" + "".join(f"{results[door]['items'][item]:>12.1f}" for door in doors))
-    sums = "".join(f"{sum(results[door]['items'].values()):>12.1f}" for door in doors)
-    print(f"{'sum of the items':<40}{sums}")
+    # The profiler's own cost (a clock read per call and return) inflates every item; "scaled" divides it out
+    # evenly: each item times the door's CPU without the profiler over its CPU with it. An estimate, not a reading.
+    scale = {}
+    for door, job in results.items():
+        scale[door] = statistics.median(per_run(job["rows"], door, "thread")) / job["items"][PROFILED]
+    print(f"\nworld {world}: items, main-thread CPU µs per step under cProfile, one epoch (scaled: times the door's "
+          "CPU without the profiler over with it)")  # fmt: skip
+    print(f"{'item':<40}" + "".join(f"{door:>10}{'scaled':>8}" for door in doors))
+    for item in [*ITEMS, PROFILED]:
+        cells = "".join(
+            f"{results[d]['items'][item]:>10.1f}{results[d]['items'][item] * scale[d]:>8.1f}" for d in doors
+        )
+        print(f"{item:<40}{cells}")
+    sums = (sum(value for key, value in results[d]["items"].items() if key != PROFILED) for d in doors)
+    print(f"{'sum of the items':<40}" + "".join(f"{value:>10.1f}{'':>8}" for value in sums))
+    over = []
+    for door, job in results.items():
+        extra = statistics.median(per_run(job["rows"], door, "thread", "bare"))
+        bare = statistics.median(per_run(job["rows"], "bare", "wall")) / 1e3
+        over.append(f"{door} {extra:+.0f} µs (bare step {bare:.2f} ms)")
+    print(f"boundary world {world} on {device}: main-thread CPU per step over bare: {', '.join(over)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -374,8 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     passed = ["--steps", str(args.steps), "--runs", str(args.runs), "--batch", str(args.batch), "--width",
               str(args.width), "--layers", str(args.layers),
               *(item for override in args.set for item in ("--set", override))]  # fmt: skip
-    print(f"{args.steps} steps a run, {args.runs} run(s), batch {args.batch}, model {args.layers} x Linear"
-          f"({args.width}, {args.width}); {' '.join(args.set) or 'the defaults'} (metrics.port=auto)")
+    print(
+        f"{args.steps} steps a run, {args.runs} run(s), batch {args.batch}, model {args.layers} x Linear"
+        f"({args.width}, {args.width}); {' '.join(args.set) or 'the defaults'} (metrics.port=auto)"
+    )
     for world in worlds:
         results = {door: launch(__file__, world, [door, *passed], f"{door} run")
                    for door in args.doors.split(",") if door}  # fmt: skip
