@@ -376,14 +376,14 @@ def report(world: int, results: dict[str, dict]) -> None:
         scale[door] = statistics.median(per_run(job["rows"], door, "thread")) / job["items"][PROFILED]
     print(f"\nworld {world}: items, main-thread CPU µs per step under cProfile, one epoch (scaled: times the door's "
           "CPU without the profiler over with it)")  # fmt: skip
-    print(f"{'item':<40}" + "".join(f"{door:>10}{'scaled':>8}" for door in doors))
+    print(f"{'item':<52}" + "".join(f"{door:>10}{'scaled':>8}" for door in doors))
     for item in [*ITEMS, PROFILED]:
         cells = "".join(
             f"{results[d]['items'][item]:>10.1f}{results[d]['items'][item] * scale[d]:>8.1f}" for d in doors
         )
-        print(f"{item:<40}{cells}")
+        print(f"{item:<52}{cells}")
     sums = (sum(value for key, value in results[d]["items"].items() if key != PROFILED) for d in doors)
-    print(f"{'sum of the items':<40}" + "".join(f"{value:>10.1f}{'':>8}" for value in sums))
+    print(f"{'sum of the items':<52}" + "".join(f"{value:>10.1f}{'':>8}" for value in sums))
     over = []
     for door, job in results.items():
         extra = statistics.median(per_run(job["rows"], door, "thread", "bare"))
