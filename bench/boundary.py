@@ -8,7 +8,8 @@ boundary. Each door runs ``--steps`` steps (one epoch) in the same processes as 
 
 - ``task``: the ``Task`` loop as ``ddp-service train`` runs it (``paired.task_epoch``), with the config's
   defaults but ``metrics.port=auto`` (Prometheus on, as a production job has it);
-- ``task -hook``: the same with ``metrics.allreduce_timing=false`` (DDP's built-in all-reduce, no comm hook);
+- ``task -hook``: the same with ``metrics.allreduce_timing=false`` (DDP's built-in all-reduce: no comm hook, no
+  pre-forward timers, no collective histograms);
 - ``session``: the same step in a script's own loop on ``service.Session`` (``s.batches``, ``s.log``).
 
 Measured in CPU time, which this loaded 2-core VM disturbs far less than wall time: the main thread's
@@ -367,7 +368,8 @@ def report(world: int, results: dict[str, dict]) -> None:
             print(f"{door:<12}" + "".join(f"{cell:>24}" for cell in cells) + f"{over:>24}")
         if "task -hook" in doors:
             hook = spread(per_run(rows, "task", "process", "task -hook")).strip()
-            print(f"{'':<12}the comm hook, process CPU (task - task -hook, run by run): {hook} µs per step")
+            print(f"{'':<12}metrics.allreduce_timing (the comm hook, DDP's pre-forward timers, two histograms), "
+                  f"process CPU (task - task -hook, run by run): {hook} µs per step")  # fmt: skip
     doors = list(results)
     # The profiler's own cost (a clock read per call and return) inflates every item; "scaled" divides it out
     # evenly: each item times the door's CPU without the profiler over its CPU with it. An estimate, not a reading.

@@ -37,7 +37,7 @@ def test_a_short_run_prints_each_door_against_bare_and_every_item(tmp_path):
     out = proc.stdout
     for door in ("bare", "task", "task -hook", "session"):
         assert re.search(rf"^{re.escape(door)}\s+\d", out, re.M), door
-    assert "the comm hook, process CPU (task - task -hook, run by run)" in out
+    assert "metrics.allreduce_timing (the comm hook, DDP's pre-forward timers, two histograms)" in out
     rows = {line[:52].strip(): line[52:].split() for line in out.splitlines() if line[:52].strip() in boundary.ITEMS}
     assert set(rows) == set(boundary.ITEMS)
     # Items every step runs, through both doors (task, scaled, session, scaled): the grouping found them.
