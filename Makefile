@@ -93,11 +93,12 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 test-quick: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not e2e" $(XDIST) $(PYTEST_ARGS)
 
-## bench: the loop-overhead, metrics-overhead, snapshot-overhead, rendezvous, lease keep-alive and checkpoint
+## bench: the loop-overhead, step-boundary CPU, metrics-overhead, snapshot-overhead, rendezvous, lease keep-alive and checkpoint
 ## benchmarks (not tests; they print ratios).
 bench: install-test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/overhead.py
+	$(PY) bench/boundary.py
 	$(PY) bench/metrics_overhead.py
 	$(PY) bench/snapshot_overhead.py
 	$(PY) bench/rendezvous.py

@@ -19,7 +19,10 @@ others, and rows that would start after ``--budget`` seconds say so. Rows:
 * ``nccl world 1``, ``nccl 2 ranks / 1 GPU``: a plain NCCL all-reduce at world size 1, and at 2 processes on
   one device (NCCL normally refuses two ranks on one device: the row records what happens);
 * ``service 2 ranks / 1 GPU``: what the service does when started with more processes than devices;
-* ``bench/overhead.py`` (built-in and ``step_fn`` task), ``bench/checkpoint.py``: short runs, their headline figure.
+* ``bench/overhead.py`` (built-in and ``step_fn`` task), ``bench/checkpoint.py``: short runs, their headline figure;
+* ``bench/boundary.py``: the bare loop, the task loop and a Session's loop on the device at world 1 (8 x
+  Linear(4096, 4096), batch 512: a step of about 5-20 ms on a current GPU), the main thread's CPU per step over
+  the bare loop's (the whole itemized table is in its log); ``--only boundary`` runs it alone in about 2 minutes.
 
 Results: ``pass``, ``FAIL``, ``info`` (an outcome to record, neither), ``skip``. Exit 0 unless a row failed
 (1); on a machine without CUDA every row is a quick ``skip`` and the exit is 0. Each row's full output is
@@ -307,6 +310,8 @@ OVERHEAD = r"throughput ratio service/bare[^:]*: [\d.]+"  # "... (builtin task):
 STALL = r"stall ratio async/sync: [\d.]+"
 SNAPSHOT = r"snapshot on cuda: .* it holds the state of its step: yes"
 SHORT = ["--rounds", "1", "--epochs", "2"]
+BOUNDARY = r"boundary world 1 on \w+: .*"  # "... main-thread CPU per step over bare: task +412 µs (bare ...), ..."
+BOUNDARY_ARGS = ["--worlds", "1", "--steps", "300", "--width", "4096", "--layers", "8", "--batch", "512"]
 ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("cuda device", cuda_device),
     ("service imports", service_imports),
@@ -324,6 +329,7 @@ ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("service 2 ranks / 1 GPU", service_two_ranks),
     ("bench/overhead.py", bench("bench/overhead.py", SHORT, OVERHEAD, 90)),
     ("bench/overhead.py step_fn", bench("bench/overhead.py", [*SHORT, "--task", "step_fn"], OVERHEAD, 90)),
+    ("bench/boundary.py", bench("bench/boundary.py", BOUNDARY_ARGS, BOUNDARY, 180)),
     ("bench/checkpoint.py", bench("bench/checkpoint.py", ["--rounds", "1", "--layers", "1"], STALL, 120)),
 ]
 
