@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, child_env
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.append(str(REPO / "bench"))  # after tests/: bench/rendezvous.py must not shadow tests/rendezvous
 import boundary  # noqa: E402
 
 
