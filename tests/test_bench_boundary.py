@@ -15,8 +15,11 @@ import pytest
 import torch
 from conftest import REPO, child_env
 
-sys.path.append(str(REPO / "bench"))  # after tests/: bench/rendezvous.py must not shadow tests/rendezvous
+_path = list(sys.path)
+sys.path.append(str(REPO / "bench"))
 import boundary  # noqa: E402
+
+sys.path[:] = _path  # boundary puts bench/ first, and bench/rendezvous.py would shadow the tests' rendezvous package
 
 
 def test_every_item_of_the_bench_names_a_function_that_exists():
