@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.errors import Refusal
 from service.loop.parallel import unwrap
 from service.state.checkpoint_io import TASK_KEPT, kept_names, load_tensors  # noqa: F401 (TASK_KEPT: re-exported)
 
@@ -40,7 +41,7 @@ RESERVED = frozenset({"format", "kept", "rank_kept", "loop", "rng", "world_size"
 STREAM = "__stream__"  # a stream's loader position, among each rank's own states (no user name looks like it)
 
 
-class KeepError(TypeError):
+class KeepError(TypeError, Refusal):
     """A kept object, its name or its call does not fit; the message names the call and the fix."""
 
 
