@@ -216,10 +216,13 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
     assert resumed["model_digest"] == straight["model_digest"], watcher.text()[-3000:] + output[-3000:]
 
+    before = (tmp_path / "run" / "summary.json").read_bytes()
     refused = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.num_workers=2"), args, pythonpath,
                          expect=1)  # fmt: skip
     assert "position was saved at world size 2; this start has 1 ranks" in refused, refused[-3000:]
     assert "data.stream_resume=restart" in refused
+    assert worker_exits(refused) == [2] and "feeds.py" not in refused  # #35.1: bad input, no traceback
+    assert (tmp_path / "run" / "summary.json").read_bytes() == before  # and the good run's summary stays
     restarted = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.stream_resume=restart"), args,
                            pythonpath)  # fmt: skip
     assert "it starts afresh (data.stream_resume=restart)" in restarted

@@ -220,13 +220,13 @@ def test_a_refusal_is_an_ordinary_error_to_catch_and_an_exit_2_when_uncaught():
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
 
 
-def test_a_peer_went_on_once_its_record_is_past_the_boundary_of_the_step_left_at():
+def test_a_peer_went_on_once_its_record_counts_the_step_left_at_and_it_did_not_leave_there():
     from service.loop.stepping import Left, went_on
 
-    assert not went_on(None, 3)
-    for step, phase, ahead in ((2, "backward", False), (3, "boundary", False), (3, "checkpoint", False),
-                               (3, "data", True), (3, "backward", True), (4, "boundary", True)):  # fmt: skip
-        assert went_on({"step": step, "phase": phase}, 3) is ahead, (step, phase)
+    assert not went_on(None, 3, None)
+    for step, left_at, ahead in ((2, None, False), (3, None, True), (4, None, True), (3, 3, False), (2, 2, False),
+                                 (4, 4, True)):  # fmt: skip
+        assert went_on({"step": step, "phase": "boundary"}, 3, left_at) is ahead, (step, left_at)
     message = Left(3, [1], False, [0]).message()
     assert message.startswith("rank(s) 1 left the loop after step 3") and "rank(s) 0 went on" in message
     assert "train.max_steps" in message

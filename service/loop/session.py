@@ -48,7 +48,14 @@ from typing import Any, Literal, NoReturn
 
 from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
-from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED, Preemption, exit_code_of
+from service.state.preemption import (
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    Preemption,
+    exit_code_of,
+    ignore_stop_signals,
+)
 
 log = logging.getLogger("service.loop.train")
 
@@ -237,9 +244,10 @@ class Session:
         finally:
             if self._stack is not None:
                 self._stack.close()
-            leaving = isinstance(exc, SystemExit) or alone is not None  # the process is on its way out
-            if self._preemption is not None and self._with and not leaving:  # (else: a peer's end, the agent's
-                self._preemption.close()  # SIGTERM for it, only sets a flag: this process exits with its own code)
+            if self._preemption is not None and self._with:
+                self._preemption.close()
+            if isinstance(exc, SystemExit) or alone is not None:  # the process leaves now, with its own status
+                ignore_stop_signals()
             if self._sys_exit is not None:
                 sys.exit = self._sys_exit
                 self._sys_exit = None
@@ -294,6 +302,7 @@ class Session:
     def _at_exit(self) -> None:
         try:
             self.close(self._ending)
+            ignore_stop_signals()  # the interpreter is leaving, with its own status
         except Stopped as stop:  # an exception in an atexit function cannot change the exit status: exit here
             logging.shutdown()
             for stream in (sys.stdout, sys.stderr):
@@ -397,6 +406,7 @@ class Session:
         with self._refusals():  # the resume's checks of the data, at the first step
             for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
                 yield to_device(fed.batches[0], rt.device, non_blocking=True)
+                self._ending = None  # the loop went on: a sys.exit the script caught is no end
         if rt.stopped is not None:
             rt.finish(rt.stopped)
             raise Preempted() if rt.stopped == "preempted" else LockLost()

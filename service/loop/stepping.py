@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from service.loop.feeds import Fed
-from service.loop.progress import CHECKPOINT, DATA, ORDER, hang_timeout
+from service.loop.progress import CHECKPOINT, DATA, hang_timeout
 from service.telemetry.metrics import StepReport
 
 if TYPE_CHECKING:
@@ -161,12 +161,15 @@ class Left:
                 "a step count), or let train.max_steps end the run.")  # fmt: skip
 
 
-def went_on(record: dict[str, object] | None, step: int) -> bool:
-    """A peer's watchdog record shows it past step ``step``'s boundary: fetching or running the next step."""
+def went_on(record: dict[str, object] | None, step: int, left_at: int | None) -> bool:
+    """A peer's watchdog record shows it past the body of step ``step``: it counted that step at its boundary (a
+    rank that leaves notes so in the store before it counts the step: ``left_at``, the step it left after) or
+    left after a later one."""
     if record is None:
         return False
-    done, phase = int(record["step"]), str(record["phase"])  # type: ignore[call-overload]
-    return done > step or (done == step and ORDER[phase] >= ORDER[DATA])
+    if left_at is not None:
+        return left_at > step
+    return int(record["step"]) >= step  # type: ignore[call-overload]
 
 
 def leave(rt: Runtime, clock: Callable[[], float] = time.monotonic) -> Left | None:
@@ -174,40 +177,45 @@ def leave(rt: Runtime, clock: Callable[[], float] = time.monotonic) -> Left | No
     through the store, whether every one of them left there (None: no step was in flight, the loop ran out).
 
     The other ranks do not stop by themselves: a rank that goes on meets no agreement before its next step's
-    collectives, since the stop agreement runs only every few steps. So each rank that left adds itself to a count
-    of that step and waits for the count to reach the world size. It stops waiting at once when a peer's watchdog
-    record shows that peer past this step, and at the hang timeout at the latest: then the job must end.
+    collectives, since the stop agreement runs only every few steps. So each rank that left notes the step in the
+    store and waits for every rank to have left there. It stops waiting once a peer is seen past that step (its
+    watchdog record, published every second, counts the step without having left) or left at another, and at the
+    hang timeout at the latest: then the job must end.
     """
     if rt.in_flight is None:
         return None
-    finish_in_flight(rt)
-    step, rank, size = rt.state.global_step, rt.world.rank, rt.world.world_size
+    step, rank, size = rt.state.global_step + 1, rt.world.rank, rt.world.world_size
     if size == 1:
+        finish_in_flight(rt)
         return Left(step, [rank], True)
     from service.loop.watchdog import PREFIX, StoreCaller, parse_record
 
-    rt.progress.mark(CHECKPOINT)  # waiting for peers that save or leave: no hang of its own
     store = StoreCaller(rt.dist_ctx.store)
-    store.call(lambda st: st.set(f"{LEFT}rank-{rank}", str(step)))
+    store.call(lambda st: st.set(f"{LEFT}rank-{rank}", str(step)))  # before the step counts: see went_on
     store.call(lambda st: st.add(f"{LEFT}count", 1))
+    finish_in_flight(rt)
+    rt.progress.mark(CHECKPOINT)  # waiting for peers that save or leave: no hang of its own
     key = f"{LEFT}step-{step}"
     store.call(lambda st: st.add(key, 1))
     deadline = clock() + hang_timeout(rt.config.dist.hang_timeout_seconds, rt.progress.p99(),
                                       rt.config.dist.timeout_seconds)  # fmt: skip
     peers = [other for other in range(size) if other != rank]
 
+    watched = StoreCaller(torch.distributed.PrefixStore(PREFIX, rt.dist_ctx.store))  # the watchdog's keys
+
     def records(st: Any) -> dict[int, bytes | None]:
-        return {other: st.get(f"{PREFIX}{other}") if st.check([f"{PREFIX}{other}"]) else None for other in peers}
+        return {other: st.get(str(other)) if st.check([str(other)]) else None for other in peers}
 
     while True:
         answered, count = store.call(lambda st: st.add(key, 0))
         if answered and count >= size:
             return Left(step, list(range(size)), True)
-        answered, raw = store.call(records)
+        answered, raw = watched.call(records)
+        left = left_peers(rt, store)  # read after the records: a peer that left noted it before its record moved
         ahead = sorted(other for other, value in (raw or {}).items()
-                       if value is not None and went_on(parse_record(value), step))  # fmt: skip
-        if ahead or clock() > deadline:
-            return Left(step, sorted(left_peers(rt, store)) or [rank], False, ahead)
+                       if value is not None and went_on(parse_record(value), step, left.get(other)))  # fmt: skip
+        if ahead or any(at != step for at in left.values()) or clock() > deadline:
+            return Left(step, sorted(left) or [rank], False, ahead)
         time.sleep(POLL)
 
 

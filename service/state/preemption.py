@@ -87,6 +87,15 @@ def ignore_in_data_workers(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
+def ignore_stop_signals() -> None:
+    """This process is on its way out with its own exit status: from now on a stop signal (the agent's SIGTERM, sent
+    once a peer exited first) cannot change that status. Python's finalization sets the handlers it installed back
+    to the default, which a signal in its last moments would die of, but leaves ``SIG_IGN`` alone. Main thread."""
+    with contextlib.suppress(ValueError):  # not the main thread: nothing to do there
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def held_back(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
     """Block ``signals`` in this thread while it starts DataLoader worker processes.
