@@ -273,7 +273,7 @@ def end_session(run_dir: Path, end: str, nproc: int = 2) -> tuple[int, str, floa
 
 def worker_exits(output: str) -> list[int]:
     """The workers' exit codes in torchrun's failure report (none when every worker exited 0)."""
-    return sorted(int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output))
+    return sorted(int(code) for code in re.findall(r"^\s+exitcode\s*:\s*(-?\d+)", output, re.MULTILINE))
 
 
 def test_a_break_on_every_rank_completes_there_its_rerun_trains_nothing_and_other_kept_names_exit_2(

@@ -22,6 +22,7 @@ def train(s: service.Session) -> None:
     net = s.model(nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     s.keep(**{"other" if how == "rename" else "net": net}, opt=opt)
+    s.keep_rank(seen=service.Carry(0))  # each rank's own state: gathered from every rank at each save
     for step, (x, y) in enumerate(s.batches(DATA, 4), s.epoch_step + 1):
         opt.zero_grad()
         loss = nn.functional.mse_loss(net(x), y)
