@@ -18,6 +18,21 @@ INPLACE_HINT = (
 )
 
 
+class Refusal(SystemExit):
+    """Bad input found before training: what a script keeps or feeds does not fit (the run it resumes kept other
+    names, a stream saved at another world size, a stream with no length and no ``train.max_steps``).
+
+    Mixed into an ordinary error (``class KeepError(TypeError, Refusal)``): ``except Exception`` catches it as
+    before, and a process that does not catch it exits 2 with no traceback, as for a bad config. The loop logs
+    its message on every rank (:meth:`service.loop.runtime.Runtime.fail`) and writes nothing: no checkpoint, and
+    ``summary.json`` stays the last run's.
+    """
+
+    @property
+    def code(self) -> int:  # type: ignore[override]  # what Python's exit reads of an uncaught SystemExit
+        return 2
+
+
 class InplaceGradientError(RuntimeError):
     """Raised in place of torch's in-place RuntimeError, with the causes and the config switch."""
 

@@ -270,10 +270,13 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
     assert resumed["model_digest"] == straight["model_digest"], watcher.text()[-3000:] + output[-3000:]
 
+    before = (tmp_path / "run" / "summary.json").read_bytes()
     refused = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.num_workers=2"), args, pythonpath,
                          expect=1)  # fmt: skip
     assert "position was saved at world size 2; this start has 1 ranks" in refused, refused[-3000:]
     assert "data.stream_resume=restart" in refused
+    assert worker_exits(refused) == [2] and "feeds.py" not in refused  # #35.1: bad input, no traceback
+    assert (tmp_path / "run" / "summary.json").read_bytes() == before  # and the good run's summary stays
     restarted = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.stream_resume=restart"), args,
                            pythonpath)  # fmt: skip
     assert "it starts afresh (data.stream_resume=restart)" in restarted
@@ -337,3 +340,87 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
     assert "train.amp=fp16: a session applies it through s.autocast() and s.backward(loss)" in done.stderr
     assert "train.grad_accum=4: a session accumulates through `for mb in s.micro_batches(batch):`" in done.stderr
     assert "train.lr=0.1: the script builds its own optimizer: pass the learning rate to it" in done.stderr
+
+
+ENDS = REPO / "tests" / "scripts" / "session_ends.py"
+ENDS_SETS = ("train.max_steps=6", "train.epochs=1", "train.log_every=1")
+
+
+def end_session(run_dir: Path, end: str, nproc: int = 2) -> tuple[int, str, float]:
+    """tests/scripts/session_ends.py ending as ``end``: (torchrun's exit status, its output, when it ended)."""
+    import time
+
+    done = subprocess.run(script_cmd(ENDS, nproc, run_dir, ENDS_SETS, ()), cwd=REPO, capture_output=True, text=True,
+                          env=child_env(PYTHONPATH=paths(), SESSION_END=end), timeout=300)  # fmt: skip
+    return done.returncode, done.stdout + done.stderr, time.time()
+
+
+def worker_exits(output: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure report (none when every worker exited 0)."""
+    return sorted(int(code) for code in re.findall(r"^\s+exitcode\s*:\s*(-?\d+)", output, re.MULTILINE))
+
+
+def test_a_break_on_every_rank_completes_there_its_rerun_trains_nothing_and_other_kept_names_exit_2(
+    tmp_path: Path,
+) -> None:
+    """#35.1: a `break` after step 3's body on every rank: completed at step 3 with its checkpoint (left_loop says
+    every rank left there); a rerun trains nothing (the same digest, not one more step); a rerun that keeps other
+    names is refused on every rank, exit 2, its message and no traceback, and summary.json stays as it was."""
+    run = tmp_path / "run"
+    code, output, _ = end_session(run, "with:break")
+    first = read_summary(run)
+    assert code == 0 and first["status"] == "completed" and first["global_step"] == 3, output[-4000:]
+    assert first["exit_code"] == 0 and first["left_loop"] == {"step": 3, "ranks": [0, 1], "every_rank": True,
+                                                              "went_on": []}  # fmt: skip
+    assert first["checkpoint"]["last"].endswith("step-00000003.pt")
+
+    code, output, _ = end_session(run, "with:break")
+    again = read_summary(run)
+    assert code == 0 and "this run completed at step 3: nothing to train" in output, output[-4000:]
+    assert again["global_step"] == 3 and again["resumed_from"]["step"] == 3
+    assert again["model_digest"] == first["model_digest"]
+
+    before = (run / "summary.json").read_bytes()
+    code, output, _ = end_session(run, "with:rename")
+    assert code != 0 and worker_exits(output) == [2, 2], output[-4000:]
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] ERROR s\.keep\(other=\.\.\.\): the checkpoint .* holds no 'other'", output)
+    assert output.count("Traceback (most recent call last)") <= 1 and "kept.py" not in output  # torchrun's own
+    assert (run / "summary.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("end", "code", "status"),
+    [("with:exit-0", 0, "completed"), ("start:exit-3", 3, "failed"), ("with:exit-2", 2, "failed")],
+)
+def test_sys_exit_in_the_loop_lands_in_the_summary_and_the_exit_status(tmp_path: Path, end: str, code: int,
+                                                                     status: str) -> None:  # fmt: skip
+    """#35.1: sys.exit(0) after step 3's body is completed at step 3 with its checkpoint; sys.exit(N) is failed
+    with exit_code N in summary.json, and every worker exits N; in both forms (`with`, and `.start()` at module
+    level, whose end at exit reads the code through the session's sys.exit)."""
+    run = tmp_path / "run"
+    returned, output, _ = end_session(run, end)
+    summary = read_summary(run)
+    assert summary["status"] == status and summary["exit_code"] == code, output[-4000:]
+    if code == 0:
+        assert returned == 0 and summary["global_step"] == 3 and summary["left_loop"]["every_rank"]
+        assert summary["checkpoint"]["last"].endswith("step-00000003.pt")
+    else:
+        assert returned != 0 and worker_exits(output) == [code, code], output[-4000:]
+        assert summary["error"] == f"SystemExit: {code}"
+
+
+def test_a_break_on_one_rank_ends_the_job_within_seconds_naming_it(tmp_path: Path) -> None:
+    """#35.1: rank 1 breaks out after step 3, rank 0 goes on into step 4 (its gradient all-reduce waits for rank 1).
+    Rank 1 sees rank 0 past step 3 and ends the job: exit 1 within seconds (no hang), and summary.json (rank 0's)
+    names rank 1, the step and the fix."""
+    run = tmp_path / "run"
+    returned, output, ended = end_session(run, "with:break-rank1")
+    left_at = float(re.search(r"rank 1 leaves its loop at ([\d.]+)", output).group(1))  # type: ignore[union-attr]
+    assert returned != 0 and ended - left_at < 30, output[-4000:]
+    summary = read_summary(run)
+    assert summary["status"] == "failed" and summary["exit_code"] == 1, output[-4000:]
+    assert summary["left_loop"] == {"step": 3, "ranks": [1], "every_rank": False, "went_on": [0]}
+    assert summary["error"].startswith("rank(s) 1 left the loop after step 3"), summary["error"]
+    assert "every rank must leave at the same step" in summary["error"]
+    assert re.search(r"\[rank 1\] ERROR rank\(s\) 1 left the loop after step 3 .*rank\(s\) 0 went on", output)

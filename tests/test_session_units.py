@@ -308,3 +308,83 @@ def test_per_rank_state_is_gathered_for_a_snapshot_only_step_and_a_resume_from_i
     again = Carry()
     Kept(snapshots[-1], 0, 1, "snapshot").keep({"hidden": again}, True, "s.keep_rank")
     assert again.take().tolist() == [3.0, 3.0]
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+LEAVES = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4)
+
+
+@given(st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                    max_size=3), max_leaves=12))  # fmt: skip
+def test_summary_json_is_strict_json_with_non_finite_numbers_as_null(value):
+    """#35.1: s.log(nan) wrote NaN into summary.json, which no strict JSON reader takes; now null, at any depth."""
+    import json
+    import math
+
+    from service.telemetry.summary import strict, summary_json
+
+    def same(read, given):
+        if isinstance(given, float) and not math.isfinite(given):
+            return read is None
+        if isinstance(given, (list, tuple)):
+            return isinstance(read, list) and len(read) == len(given) and all(map(same, read, given))
+        if isinstance(given, dict):
+            return read.keys() == given.keys() and all(same(read[key], given[key]) for key in given)
+        return read == given
+
+    read = json.loads(summary_json({"logged": value}), parse_constant=_no_constants)
+    assert same(read["logged"], value) and same(strict(value), value)
+
+
+def test_the_summary_writer_writes_nan_and_inf_as_null(tmp_path):
+    import json
+
+    from service.telemetry.summary import JsonSummaryWriter
+
+    JsonSummaryWriter(tmp_path / "summary.json").write({"logged": {"loss": float("nan"), "gain": float("-inf"),
+                                                                   "lr": 0.1}, "final_loss": float("inf")})  # fmt: skip
+    text = (tmp_path / "summary.json").read_text()
+    assert json.loads(text, parse_constant=_no_constants) == {"logged": {"loss": None, "gain": None, "lr": 0.1},
+                                                              "final_loss": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [(None, 0), (SystemExit(), 0), (SystemExit(0), 0), (SystemExit(3), 3), (SystemExit(True), 1),
+     (SystemExit("a message"), 1), (RuntimeError("x"), 1), (KeyboardInterrupt(), 1)],
+)  # fmt: skip
+def test_the_exit_status_an_exception_gives_is_pythons(exc, code):
+    from service.state.preemption import exit_code_of
+
+    assert exit_code_of(exc) == code
+
+
+def test_a_refusal_is_an_ordinary_error_to_catch_and_an_exit_2_when_uncaught():
+    """KeepError and FeedError: `except Exception` catches them as before; uncaught, Python exits 2 with no
+    traceback (they are SystemExits of code 2), whatever their message."""
+    import subprocess
+    import sys
+
+    from service.loop.feeds import FeedError
+
+    for error in (KeepError("the names differ"), FeedError("a stream saved at world size 2")):
+        assert isinstance(error, Exception) and isinstance(error, SystemExit) and error.code == 2
+        assert str(error) in ("the names differ", "a stream saved at world size 2")
+    done = subprocess.run([sys.executable, "-c", "from service.loop.kept import KeepError\n"
+                           "raise KeepError('the names differ')"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_peer_went_on_once_its_record_counts_the_step_left_at_and_it_did_not_leave_there():
+    from service.loop.stepping import Left, went_on
+
+    assert not went_on(None, 3, None)
+    for step, left_at, ahead in ((2, None, False), (3, None, True), (4, None, True), (3, 3, False), (2, 2, False),
+                                 (4, 4, True)):  # fmt: skip
+        assert went_on({"step": step, "phase": "boundary"}, 3, left_at) is ahead, (step, left_at)
+    message = Left(3, [1], False, [0]).message()
+    assert message.startswith("rank(s) 1 left the loop after step 3") and "rank(s) 0 went on" in message
+    assert "train.max_steps" in message

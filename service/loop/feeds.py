@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from service.config import DataConfig
+from service.errors import Refusal
 from service.loop.data import SignalSafeLoader, shut_down
 from service.loop.sampler import DataPlan, MicroBatch, PlanSampler, StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
@@ -33,10 +34,8 @@ from service.state.preemption import held_back, ignore_in_data_workers
 log = logging.getLogger(__name__)
 
 
-class FeedError(ValueError):
-    """A dataset the loop cannot feed as asked; the message names the value and the fix (bad input: exit 2)."""
-
-    exit_code = 2
+class FeedError(ValueError, Refusal):
+    """A dataset the loop cannot feed as asked; the message names the value and the fix."""
 
 
 @dataclasses.dataclass

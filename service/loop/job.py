@@ -11,6 +11,9 @@ class LoopState:
 
     ``cursor`` is the data position: samples of this epoch's permutation that
     optimizer steps have consumed, whatever the world size that consumed them.
+    ``completed``: the run ended here as completed (its last step, a script's
+    ``break`` or ``sys.exit(0)``): a rerun with the same ``train.max_steps``
+    trains nothing (:meth:`~service.loop.runtime.Runtime.plan`).
     """
 
     epoch: int = 0
@@ -19,3 +22,4 @@ class LoopState:
     epochs_completed: int = 0
     cursor: int = 0
     dropped_batches: int = 0  # batches an uneven stream's epoch ends left untrained, over every rank
+    completed: bool = False

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.errors import Refusal
 from service.loop.parallel import unwrap
 from service.state.checkpoint_io import (  # noqa: F401 (TASK_KEPT: re-exported)
     TASK_KEPT,
@@ -47,11 +48,8 @@ RESERVED = frozenset({"format", "kept", "rank_kept", "loop", "rng", "world_size"
 STREAM = "__stream__"  # a stream's loader position, among each rank's own states (no user name looks like it)
 
 
-class KeepError(TypeError):
-    """A kept object, its name or its call does not fit; the message names the call and the fix (bad input: exit
-    2)."""
-
-    exit_code = 2
+class KeepError(TypeError, Refusal):
+    """A kept object, its name or its call does not fit; the message names the call and the fix."""
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)

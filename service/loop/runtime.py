@@ -25,6 +25,7 @@ from torch.nn.parallel import DataParallel
 
 from service import early
 from service.config import JobConfig
+from service.errors import Refusal
 from service.loop.batches import to_device
 from service.loop.geometry import plan_total_steps
 from service.loop.job import LoopState
@@ -38,7 +39,7 @@ from service.loop.window import Window, scalar
 from service.loop.wrapped import ServiceDDP
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
-from service.state.preemption import Preemption
+from service.state.preemption import STATUS_CODES, Preemption, exit_code_of
 from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
 from service.state.resume import rng_state as saved_rng_state
 from service.state.snapshot import node_area
@@ -220,8 +221,19 @@ class Runtime:
 
     # ------------------------------------------------------------------ the data, once known
     def plan(self, feed: MapFeed | StreamFeed) -> int:
-        """The run's optimizer steps with this feed (a task's schedule needs them before its first step)."""
-        self.total_steps = plan_total_steps(feed, self.state, self.config.train)
+        """The run's optimizer steps with this feed (a task's schedule needs them before its first step). A run
+        that completed (however it ended: its last step, a script's ``break``) ends where it did, unless
+        ``train.max_steps`` went up since: its rerun trains nothing."""
+        state = self.state
+        if state.completed and self.resumed is not None:
+            saved = self.resumed.state.get("config", {}).get("train", {}).get("max_steps")
+            if saved == self.config.train.max_steps:
+                log.info("this run completed at step %d: nothing to train (raise train.max_steps to train on)",
+                         state.global_step)  # fmt: skip
+                self.total_steps = state.global_step
+                return self.total_steps
+            state.completed = False  # trained on: a stop from here on is no completion
+        self.total_steps = plan_total_steps(feed, state, self.config.train)
         return self.total_steps
 
     def begin(self, feed: MapFeed | StreamFeed, why: str) -> None:
@@ -332,28 +344,37 @@ class Runtime:
         saving = time.perf_counter()
         if status != "lock_lost":
             self.gather_own()
-        self.roles.checkpointer.save(self.state.global_step, self.checkpoint_state)
+        ends = status == "completed" and not self.state.completed  # a checkpoint of this step may lack the mark
+        self.state.completed = self.state.completed or status == "completed"
+        self.roles.checkpointer.save(self.state.global_step, self.checkpoint_state, again=ends)
         self.roles.sink.on_checkpoint_stall(time.perf_counter() - saving)
         if status == "preempted":
             dist.barrier(group=self.control)  # nobody leaves before rank 0's checkpoint of this step is on disk
         self.roles.snapshots.discard()  # completed, or its checkpoint is saved, or run_dir is another job's now
-        return self._summarize(status, extra, error=self.preemption.lock_lost)
+        return self._summarize(status, extra, error=self.preemption.lock_lost, code=STATUS_CODES[status])
 
-    def fail(self, exc: BaseException, extra: Mapping[str, Any] | None = None) -> None:
+    def fail(self, exc: BaseException, extra: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written,
-        naming the first rank that failed and its own error (this one's may be the broken connection it left)."""
-        own = f"{type(exc).__name__}: {exc}"
-        rank, error = self.watchdog.first_failure(own)
+        naming the first rank that failed and its own error (this one's may be the broken connection it left), with
+        the exit status ``exc`` gives (a script's ``sys.exit(3)``: 3). Bad input refused before training
+        (:class:`~service.errors.Refusal`) is logged on every rank, and nothing is written."""
+        if isinstance(exc, Refusal):
+            log.error("%s", exc)
+            return
+        own = error or f"{type(exc).__name__}: {exc}"
+        rank, first = self.watchdog.first_failure(own)
         if rank != self.world.rank:
-            log.error("rank %d failed first: %s (this rank's own error came after it: %s)", rank, error, own[:500])
+            log.error("rank %d failed first: %s (this rank's own error came after it: %s)", rank, first, own[:500])
         if last_attempt(self.world):
             self.roles.snapshots.discard()
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped training
-            self._summarize("failed", {"failed_rank": rank, **(extra or {})}, error=error)
+            self._summarize("failed", {"failed_rank": rank, **(extra or {})}, error=first, code=exit_code_of(exc))
 
-    def _summarize(self, status: str, extra: Mapping[str, Any] | None, error: str | None) -> dict[str, Any]:
+    def _summarize(self, status: str, extra: Mapping[str, Any] | None, error: str | None,
+                   code: int) -> dict[str, Any]:  # fmt: skip
         seconds = time.perf_counter() - self.started
         summary = make_summary(self, status, seconds, self.state.samples_seen - self.start_samples, error)
+        summary["exit_code"] = code
         summary.update(extra or {})
         self.roles.summary.write(summary)
         self.summary = summary
@@ -384,6 +405,7 @@ def make_summary(rt: Runtime, status: str, seconds: float, trained: int, error: 
         "status": status,
         "stopped_at_step": state.global_step if status != "completed" else None,
         "error": error,
+        "left_loop": None,  # a script's loop left before its end: the step, the ranks that left, every rank or not
         "resumed_from": rt.resumed.describe() if rt.resumed else None,
         "task": rt.label,
         "model_digest": rt.kept.digest(),

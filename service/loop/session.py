@@ -17,8 +17,20 @@ hang watchdog) on the same :class:`~service.loop.runtime.Runtime` as the built-i
 its step by raising :class:`Preempted` (a ``SystemExit`` of 75): the rest of the ``with`` block does not run,
 ``summary.json`` says ``preempted``, and the process exits 75. An exception writes ``status: failed`` and goes on.
 
+How a loop ends, in both forms: running out, a ``break`` (or ``return``) or ``sys.exit(0)`` is ``completed`` at
+that step, with its checkpoint (the step whose body broke out counts), and a rerun trains nothing; every rank
+must leave at the same step: the ranks agree on it through the store (:func:`~service.loop.stepping.leave`), and
+a rank that left alone ends the job within seconds, ``failed``, naming itself and the fix (``left_loop`` in
+``summary.json``). ``sys.exit(N)`` with another code is ``failed`` with ``exit_code: N``. Bad input found at
+``s.keep`` or ``s.batches`` (:class:`~service.errors.Refusal`: a resume whose kept names differ, a stream saved at
+another world size) exits 2 on every rank with its message and no traceback, and writes nothing.
+
 Without ``with`` (a module-level script ported with few changed lines): ``s = service.Session().start()``; the
-session then ends when the interpreter does (completed), or at an uncaught exception (failed).
+session then ends when the interpreter does, or at an uncaught exception (failed). Python runs that end (its
+``atexit``) after the exit status is decided and hides it, so the session reads it where it can: ``sys.exit(N)``
+(the session wraps ``sys.exit`` until it closes), a refusal it raised, an uncaught exception. A bare ``raise
+SystemExit(N)`` (or ``exit(N)``) that passes no session call is not seen there: the run then reads as completed;
+use ``sys.exit`` or the ``with`` form.
 """
 
 from __future__ import annotations
@@ -28,23 +40,31 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
+from service.errors import Refusal
 from service.loop.session_tools import SessionTools
-from service.state.preemption import EXIT_FAILED, EXIT_PREEMPTED, Preemption
+from service.state.preemption import (
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    Preemption,
+    exit_code_of,
+    ignore_stop_signals,
+)
 
 log = logging.getLogger("service.loop.train")
 
 
-class SessionError(RuntimeError):
-    """A session used out of order (a call before ``start``); the message names the call and the fix."""
-
-    exit_code = 2
+class SessionError(RuntimeError, Refusal):
+    """A session used out of order (a call before ``start``, a second ``s.batches`` loop inside one); the message
+    names the call and the fix; uncaught, the process exits 2 with no traceback."""
 
 
 class Stopped(SystemExit):
@@ -64,6 +84,18 @@ class LockLost(Stopped):
 
     def __init__(self) -> None:
         super().__init__(EXIT_FAILED)
+
+
+class LeftAlone(Stopped):
+    """This rank left its loop at a step where other ranks went on (a ``break`` on some ranks only): nothing more
+    is saved, and the job ends; exit 1. The message names the ranks and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_FAILED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
@@ -106,6 +138,8 @@ class Session(SessionTools):
         self._running = False  # an s.batches loop is under way (a second one is refused)
         self._closed = False
         self._with = False
+        self._ending: BaseException | None = None  # without `with`: a sys.exit or a refusal seen on the way out
+        self._sys_exit: Callable[..., Any] | None = None
         self.rank = self.local_rank = 0
         self.world_size = 1
         self.device: Any = None
@@ -129,6 +163,7 @@ class Session(SessionTools):
             raise
         if not self._with:
             atexit.register(self._at_exit)
+            self._watch_exit()
             previous = sys.excepthook
 
             def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -190,23 +225,21 @@ class Session(SessionTools):
         return False
 
     def close(self, exc: BaseException | None = None) -> None:
-        """End the session: the last checkpoint and ``summary.json`` (``completed``; ``failed`` for ``exc``), then
-        the group and the lock."""
+        """End the session: the last checkpoint and ``summary.json`` (``completed``, also for ``sys.exit(0)``;
+        ``failed`` for ``exc``, with its exit code), then the group and the lock. Raises :class:`LeftAlone` when this
+        rank left its loop at a step where others went on."""
         if self._closed or self._runtime is None:
             return
         self._closed = True
         rt = self._runtime
+        alone: LeftAlone | None = None
         try:
             if isinstance(exc, Stopped):
                 pass  # s.batches wrote the summary of the stop before raising it
-            elif exc is not None:
-                rt.fail(exc)
-                _record_error(exc)
-            elif rt.summary is None:
-                from service.loop.stepping import finish_in_flight
-
-                finish_in_flight(rt)  # a break after a step's body: that step counts
-                rt.finish(rt.stopped or "completed")
+            elif exc is None or exit_code_of(exc) == EXIT_COMPLETED:  # none, or sys.exit(0)
+                alone = self._complete(rt)
+            else:
+                self._fail(rt, exc)
             if rt.summary is not None:  # every rank's own (logging.all_ranks shows them all): replicas agree
                 log.info(
                     "done: %s at step %d, model digest %s, %s samples/s",
@@ -221,9 +254,73 @@ class Session(SessionTools):
                 self._stack.close()
             if self._preemption is not None and self._with:
                 self._preemption.close()
+            if isinstance(exc, SystemExit) or alone is not None:  # the process leaves now, with its own status
+                ignore_stop_signals()
+            if self._sys_exit is not None:
+                sys.exit = self._sys_exit
+                self._sys_exit = None
+        if alone is not None:
+            raise alone
+
+    def _complete(self, rt: Any) -> LeftAlone | None:
+        """The loop ran out, or a break or sys.exit(0) left it: completed there when every rank left at that step."""
+        from service.loop.stepping import leave
+
+        if rt.summary is not None:
+            return None
+        left = leave(rt)  # a break after a step's body: that step counts, and every rank must have left there
+        extra = {"left_loop": left.describe()} if left is not None else None
+        if left is not None and not left.every_rank:
+            message = left.message()
+            log.error("%s", message)
+            alone = LeftAlone(message)
+            rt.fail(alone, extra, error=message)
+            return alone
+        rt.finish(rt.stopped or "completed", extra)
+        return None
+
+    def _fail(self, rt: Any, exc: BaseException) -> None:
+        """``status: failed`` for ``exc``; a peer that left its loop alone (the likely cause) is named first."""
+        from service.errors import Refusal
+        from service.loop.stepping import Left, left_peers
+
+        error, extra = None, None
+        peers = {} if isinstance(exc, Refusal) else left_peers(rt)
+        if peers:
+            left = Left(min(peers.values()), sorted(peers), False, [self.rank])
+            error = f"{left.message()} Then this rank failed: {type(exc).__name__}: {exc}"
+            extra = {"left_loop": left.describe()}
+            log.error("%s", error)
+        rt.fail(exc, extra, error=error)
+        if not isinstance(exc, SystemExit):
+            _record_error(exc)
+
+    def _watch_exit(self) -> None:
+        """Without ``with``: ``sys.exit`` notes its code for the session's end at exit, which cannot see it."""
+        original = self._sys_exit = sys.exit
+
+        def exit_seen(status: Any = None) -> NoReturn:
+            if threading.current_thread() is threading.main_thread():
+                self._ending = SystemExit(status)
+            original(status)
+            raise SystemExit(status)  # not reached: the original raises
+
+        sys.exit = exit_seen
 
     def _at_exit(self) -> None:
-        self.close(None)
+        try:
+            self.close(self._ending)
+            ignore_stop_signals()  # the interpreter is leaving, with its own status
+        except Stopped as stop:  # an exception in an atexit function cannot change the exit status: exit here
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(exit_code_of(stop))
+
+    def _seen(self, exc: BaseException) -> None:
+        """A refusal on its way out of a session call: the end at exit (no ``with``) reads it."""
+        self._ending = exc
 
     # ------------------------------------------------------------------ the public calls
     @property
@@ -247,12 +344,24 @@ class Session(SessionTools):
     def keep(self, **objects: Any) -> None:
         """Keep objects with ``state_dict``/``load_state_dict`` (modules, optimizers, schedulers, GradScalers, your
         own) in every checkpoint and snapshot; on a resume each is loaded here, at once. Before ``s.batches``."""
-        self._rt.keep(objects, False, "s.keep")
+        with self._refusals():
+            self._rt.keep(objects, False, "s.keep")
 
     def keep_rank(self, **objects: Any) -> None:
         """As ``keep``, each rank's own copy (a hidden state, a per-rank stream): back to its own rank at the same
         world size; at another, left as built, with one warning naming them."""
-        self._rt.keep(objects, True, "s.keep_rank")
+        with self._refusals():
+            self._rt.keep(objects, True, "s.keep_rank")
+
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        from service.errors import Refusal
+
+        try:
+            yield
+        except Refusal as exc:
+            self._seen(exc)
+            raise
 
     @property
     def epoch_step(self) -> int:
@@ -286,8 +395,9 @@ class Session(SessionTools):
         through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
         dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
         dataset (a stream) is sharded over the ranks and resumes from its state."""
-        self._refuse_second_loop()
-        feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # now: s.epoch_step knows it
+        with self._refusals():
+            self._refuse_second_loop()
+            feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # s.epoch_step knows it now
         self._last_feed = feed
         return self._batches(feed)
 
@@ -309,8 +419,10 @@ class Session(SessionTools):
         self._refuse_second_loop()  # two made before either ran: the second to start is refused
         self._running = True
         try:
-            for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
-                yield to_device(fed.batches[0], rt.device, non_blocking=True)
+            with self._refusals():  # the resume's checks of the data, at the first step
+                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
+                    yield to_device(fed.batches[0], rt.device, non_blocking=True)
+                    self._ending = None  # the loop went on: a sys.exit the script caught is no end
         finally:
             self._running = False
         if rt.stopped is not None:

@@ -15,13 +15,13 @@ import logging
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from service.loop.feeds import Fed
-from service.loop.progress import CHECKPOINT, DATA
+from service.loop.progress import CHECKPOINT, DATA, hang_timeout
 from service.telemetry.metrics import StepReport
 
 if TYPE_CHECKING:
@@ -163,6 +163,109 @@ def finish_in_flight(rt: Runtime) -> None:
         fed, started, fetched = rt.in_flight
         rt.in_flight = None
         count_step(rt, fed, started, fetched)
+
+
+LEFT = "session-left/"  # the store keys of the ranks that left their loop before its end
+POLL = 0.2  # seconds between two looks at the store while a rank waits for the others to leave
+
+
+@dataclasses.dataclass(frozen=True)
+class Left:
+    """A loop left before its end (a ``break``, a ``return``, ``sys.exit(0)``) after step ``step``'s body: the ranks
+    known to have left there, whether every rank did, and the ranks seen going on past that step."""
+
+    step: int
+    ranks: list[int]
+    every_rank: bool
+    went_on: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> dict[str, object]:
+        """``summary.json``'s ``left_loop``."""
+        return {"step": self.step, "ranks": self.ranks, "every_rank": self.every_rank, "went_on": self.went_on}
+
+    def message(self) -> str:
+        """Why the job ends: the ranks that left, those that went on, and the fix."""
+        others = f"rank(s) {', '.join(map(str, self.went_on))} went on" if self.went_on else "the others did not"
+        return (f"rank(s) {', '.join(map(str, self.ranks))} left the loop after step {self.step} (a break, return or "
+                f"sys.exit(0) inside `for ... in s.batches(...)`), and {others}: every rank must leave at the same "
+                "step, or the ranks that go on wait for them in their next collective. Decide to stop from a value "
+                "every rank shares (average it over the ranks first, e.g. torch.distributed.all_reduce, or stop at "
+                "a step count), or let train.max_steps end the run.")  # fmt: skip
+
+
+def went_on(record: dict[str, object] | None, step: int, left_at: int | None) -> bool:
+    """A peer's watchdog record shows it past the body of step ``step``: it counted that step at its boundary (a
+    rank that leaves notes so in the store before it counts the step: ``left_at``, the step it left after) or
+    left after a later one."""
+    if record is None:
+        return False
+    if left_at is not None:
+        return left_at > step
+    return int(record["step"]) >= step  # type: ignore[call-overload]
+
+
+def leave(rt: Runtime, clock: Callable[[], float] = time.monotonic) -> Left | None:
+    """A loop left its ``for`` after a step's body: that step counts (:func:`finish_in_flight`) and the ranks learn,
+    through the store, whether every one of them left there (None: no step was in flight, the loop ran out).
+
+    The other ranks do not stop by themselves: a rank that goes on meets no agreement before its next step's
+    collectives, since the stop agreement runs only every few steps. So each rank that left notes the step in the
+    store and waits for every rank to have left there. It stops waiting once a peer is seen past that step (its
+    watchdog record, published every second, counts the step without having left) or left at another, and at the
+    hang timeout at the latest: then the job must end.
+    """
+    if rt.in_flight is None:
+        return None
+    step, rank, size = rt.state.global_step + 1, rt.world.rank, rt.world.world_size
+    if size == 1:
+        finish_in_flight(rt)
+        return Left(step, [rank], True)
+    from service.loop.watchdog import PREFIX, StoreCaller, parse_record
+
+    store = StoreCaller(rt.dist_ctx.store)
+    store.call(lambda st: st.set(f"{LEFT}rank-{rank}", str(step)))  # before the step counts: see went_on
+    store.call(lambda st: st.add(f"{LEFT}count", 1))
+    finish_in_flight(rt)
+    rt.progress.mark(CHECKPOINT)  # waiting for peers that save or leave: no hang of its own
+    key = f"{LEFT}step-{step}"
+    store.call(lambda st: st.add(key, 1))
+    deadline = clock() + hang_timeout(rt.config.dist.hang_timeout_seconds, rt.progress.p99(),
+                                      rt.config.dist.timeout_seconds)  # fmt: skip
+    peers = [other for other in range(size) if other != rank]
+
+    watched = StoreCaller(torch.distributed.PrefixStore(PREFIX, rt.dist_ctx.store))  # the watchdog's keys
+
+    def records(st: Any) -> dict[int, bytes | None]:
+        return {other: st.get(str(other)) if st.check([str(other)]) else None for other in peers}
+
+    while True:
+        answered, count = store.call(lambda st: st.add(key, 0))
+        if answered and count >= size:
+            return Left(step, list(range(size)), True)
+        answered, raw = watched.call(records)
+        left = left_peers(rt, store)  # read after the records: a peer that left noted it before its record moved
+        ahead = sorted(other for other, value in (raw or {}).items()
+                       if value is not None and went_on(parse_record(value), step, left.get(other)))  # fmt: skip
+        if ahead or any(at != step for at in left.values()) or clock() > deadline:
+            return Left(step, sorted(left) or [rank], False, ahead)
+        time.sleep(POLL)
+
+
+def left_peers(rt: Runtime, store: Any = None) -> dict[int, int]:
+    """The ranks that left their loop before its end in this attempt (:func:`leave`) and the step each left after,
+    from the store; empty when none did or the store does not answer (each call a bounded wait)."""
+    from service.loop.watchdog import StoreCaller
+
+    if rt.world.world_size == 1 or rt.dist_ctx.store is None:
+        return {}
+    store = store or StoreCaller(rt.dist_ctx.store)
+    answered, count = store.call(lambda st: st.add(f"{LEFT}count", 0))
+    if not answered or not count:
+        return {}
+    keys = {other: f"{LEFT}rank-{other}" for other in range(rt.world.world_size)}
+    answered, found = store.call(lambda st: {other: int(st.get(key)) for other, key in keys.items()
+                                             if st.check([key])})  # fmt: skip
+    return dict(found) if answered else {}
 
 
 def _boundary(rt: Runtime, fed: Fed, hooks: Hooks, started: float, fetched: float) -> str | None:

@@ -57,8 +57,9 @@ class Checkpointer:
     def maybe_save(self, global_step: int, state: StateFn) -> None:
         """Called at every optimizer step; also reports a background save that failed."""
 
-    def save(self, global_step: int, state: StateFn) -> None:
-        """A synchronous save (end of run, preemption); waits for one in flight first."""
+    def save(self, global_step: int, state: StateFn, again: bool = False) -> None:
+        """A synchronous save (end of run, preemption); waits for one in flight first. ``again``: write it even when
+        this step is saved already (the run's end marks the state completed)."""
 
     def close(self) -> None:
         """Wait for a save in flight and stop the writer."""
@@ -191,12 +192,12 @@ class Rank0Checkpointer(Checkpointer):
         log.info("checkpoint step %d staged in %.3f s; writing in the background", global_step,
                  time.perf_counter() - started)  # fmt: skip
 
-    def save(self, global_step: int, state: StateFn) -> None:
+    def save(self, global_step: int, state: StateFn, again: bool = False) -> None:
         self._wait()
         future, self._inflight, self._inflight_step = self._inflight, None, None
         if future is not None and future.exception() is not None:
             log.error("the background save failed (%s); saving step %d now", future.exception(), global_step)
-        if self.saved_step == global_step:
+        if self.saved_step == global_step and not again:
             return  # this process wrote this very step already; the weights have not moved since
         if self.fenced:
             log.error("not saving step %d: this job lost the run_dir lock, %s may be another job's now", global_step,

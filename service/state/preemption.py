@@ -24,7 +24,11 @@ Exit codes of a worker (and of ``ddp-service train``):
   restart them and re-rendezvous without the node that left;
 - ``1``: failed; also when rank 0 lost the ``run_dir`` lock (another job may
   own the directory now): every rank stops at the agreed step, and nothing
-  more is saved there.
+  more is saved there;
+- ``2``: bad input refused before training (a config, a resume that does not
+  fit, what a script keeps or feeds): nothing written, ``summary.json`` left as
+  it was;
+- a script's own ``sys.exit(N)`` in a session: ``N`` (0 is completed).
 """
 
 from __future__ import annotations
@@ -43,6 +47,22 @@ log = logging.getLogger(__name__)
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75
+EXIT_REFUSED = 2
+STATUS_CODES = {"completed": EXIT_COMPLETED, "preempted": EXIT_PREEMPTED, "lock_lost": EXIT_FAILED}
+
+
+def exit_code_of(exc: BaseException | None) -> int:
+    """The exit status ``exc`` gives a process that does not catch it, as Python computes it: a ``SystemExit``'s
+    code (None: 0; not a number: 1, its text printed), 1 for any other exception, 0 for none."""
+    if exc is None:
+        return EXIT_COMPLETED
+    if not isinstance(exc, SystemExit):
+        return EXIT_FAILED
+    code = exc.code
+    if code is None:
+        return EXIT_COMPLETED
+    return int(code) if isinstance(code, int) else EXIT_FAILED
+
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MAX_STEPS_BETWEEN_CHECKS = 1000
@@ -65,6 +85,15 @@ def ignore_in_data_workers(worker_id: int) -> None:
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+def ignore_stop_signals() -> None:
+    """This process is on its way out with its own exit status: from now on a stop signal (the agent's SIGTERM, sent
+    once a peer exited first) cannot change that status. Python's finalization sets the handlers it installed back
+    to the default, which a signal in its last moments would die of, but leaves ``SIG_IGN`` alone. Main thread."""
+    with contextlib.suppress(ValueError):  # not the main thread: nothing to do there
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,23 @@ def model_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def strict(value: Any) -> Any:
+    """``value`` as strict JSON takes it: every non-finite float (a logged nan or inf) becomes None, at any depth;
+    the log line keeps the number itself."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
+
+
+def summary_json(summary: Mapping[str, Any]) -> str:
+    """``summary.json``'s text: strict JSON (no NaN or Infinity, which JSON has not), sorted keys."""
+    return json.dumps(strict(summary), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 class SummaryWriter:
@@ -45,9 +63,9 @@ class JsonSummaryWriter(SummaryWriter):
     def write(self, summary: Mapping[str, Any]) -> None:
         if self.vacant is not None and not self.vacant():
             log.error("summary not written: %s belongs to the job that holds run_dir's lock now; this job's was %s",
-                      self.path, json.dumps(summary, sort_keys=True))  # fmt: skip
+                      self.path, json.dumps(strict(summary), sort_keys=True, allow_nan=False))  # fmt: skip
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        partial.write_text(summary_json(summary))
         os.replace(partial, self.path)
