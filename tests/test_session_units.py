@@ -182,11 +182,11 @@ def loop_stub(total_steps: int, preempt_at: int | None = None) -> tuple[Any, lis
     rt = MagicMock()
     rt.state, rt.total_steps, rt.stopped, rt.in_flight, rt.summary = LoopState(), total_steps, None, None, None
     rt.config = load_config(None, ["train.log_every=1000"])
-    rt.world.rank, rt.device = 0, torch.device("cpu")
+    rt.world.rank, rt.world.world_size, rt.device = 0, 1, torch.device("cpu")
     rt.preemption.stop_here.return_value = None
     rt.preemption.stop_now.side_effect = lambda: "preempted" if rt.state.global_step == preempt_at else None
     rt.save_due.side_effect = lambda step: calls.append(("save_due", step))
-    rt.finish.side_effect = lambda status: calls.append((status, rt.state.global_step))
+    rt.finish.side_effect = lambda status, *extra: calls.append((status, rt.state.global_step))
     return rt, calls
 
 
@@ -362,6 +362,7 @@ def test_the_exit_status_an_exception_gives_is_pythons(exc, code):
     assert exit_code_of(exc) == code
 
 
+@pytest.mark.e2e
 def test_a_refusal_is_an_ordinary_error_to_catch_and_an_exit_2_when_uncaught():
     """KeepError and FeedError: `except Exception` catches them as before; uncaught, Python exits 2 with no
     traceback (they are SystemExits of code 2), whatever their message."""

@@ -97,7 +97,7 @@ def test_kept_state_is_checked_by_the_resumes_loader_before_it_is_saved() -> Non
             check_loadable("s.keep(thing=...)", state)
         assert str(refused.value).startswith(f"s.keep(thing=...): its {where} is a {kind}, which a resume could not "
                                              "load back."), str(refused.value)  # fmt: skip
-        assert "nothing was saved" in str(refused.value) and refused.value.exit_code == 2
+        assert "nothing was saved" in str(refused.value) and refused.value.code == 2
     model = nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
