@@ -125,11 +125,11 @@ def test_a_streams_state_that_could_not_be_loaded_back_is_refused_before_any_sav
     code, after = ended(proc, watcher, run, timeout=120)
     output = watcher.text()
     assert code != 0 and after < 30, (code, after, output[-4000:])
-    refusal = (r"KeepError: s\.batches\(a __main__\.Unloadable\): the stream's state_dict\(\) .*: its "
+    refusal = (r"ERROR s\.batches\(a __main__\.Unloadable\): the stream's state_dict\(\) .*: its "
                r"state_dict\(\)\[.*\['stream'\]\['position'\] is a __main__\.Position, which a resume "
                "could not load back")  # fmt: skip
-    assert len(re.findall(refusal, output)) >= 2, output[-4000:]  # each rank's
-    assert read_summary(run / "run")["status"] == "failed"
+    assert len(re.findall(refusal, output)) >= 2, output[-4000:]  # each rank's, as bad input: no traceback of it
+    assert "KeepError" not in output and not (run / "run" / "summary.json").exists()  # a refusal writes nothing
     assert not list((run / "run" / "checkpoints").glob("step-*")), sorted((run / "run" / "checkpoints").iterdir())
 
 

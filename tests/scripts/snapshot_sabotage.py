@@ -54,7 +54,13 @@ def sabotage(snapshot_dir: str) -> None:
     if CASE in ("efbig0", "efbig_mid"):
         resource.setrlimit(resource.RLIMIT_FSIZE, (0 if CASE == "efbig0" else 64 * 1024, hard))
     elif CASE == "vanish":
-        shutil.rmtree(root)
+        for _ in range(200):  # the background writer may add a file while rmtree walks: again until it is gone
+            shutil.rmtree(root, ignore_errors=True)
+            if not root.exists():
+                break
+            time.sleep(0.01)
+        else:
+            raise SystemExit(f"could not remove {root}")
     elif CASE == "readonly":
         for _ in range(200):  # EBUSY while a file is open for writing there: the last snapshot, in flight
             if subprocess.run(["mount", "-o", "remount,ro", snapshot_dir], capture_output=True).returncode == 0:
