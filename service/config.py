@@ -82,13 +82,9 @@ Port = Annotated[int | Literal["auto"], PlainValidator(_port)]
 HANG_TIMEOUT_MIN = 3  # the watchdog's heartbeat is 1 s: a shorter timeout could not tell stopped from waiting
 
 
-def _hang_timeout(value: Any) -> float | str:
-    """``auto``, or seconds from :data:`HANG_TIMEOUT_MIN` to :data:`TIMEOUT_MAX`: one error naming the fix."""
-    if value == "auto":
-        return "auto"
-    fix = (f"must be auto (10 x the p99 optimizer-step time, at least 30 s) or a number of seconds from "
-           f"{HANG_TIMEOUT_MIN} to {TIMEOUT_MAX}, e.g. 120")  # fmt: skip
-    if isinstance(value, str):  # YAML reads 1e400, Infinity and 1e9 as strings
+def _finite_number(value: Any, fix: str) -> float:
+    """``value`` as a finite number (YAML reads 1e400, Infinity and 1e9 as strings), or ``fix`` as the error."""
+    if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
@@ -97,6 +93,16 @@ def _hang_timeout(value: Any) -> float | str:
         raise ValueError(fix)
     if not math.isfinite(value):
         raise ValueError(_NOT_FINITE)
+    return float(value)
+
+
+def _hang_timeout(value: Any) -> float | str:
+    """``auto``, or seconds from :data:`HANG_TIMEOUT_MIN` to :data:`TIMEOUT_MAX`: one error naming the fix."""
+    if value == "auto":
+        return "auto"
+    fix = (f"must be auto (10 x the p99 optimizer-step time, at least 30 s) or a number of seconds from "
+           f"{HANG_TIMEOUT_MIN} to {TIMEOUT_MAX}, e.g. 120")  # fmt: skip
+    value = _finite_number(value, fix)
     if not HANG_TIMEOUT_MIN <= value <= TIMEOUT_MAX:
         raise ValueError(fix)
     return float(value)
@@ -125,15 +131,7 @@ def _snapshot_max_seconds(value: Any) -> float:
     """Seconds above 0, at most :data:`TIMEOUT_MAX`: one error naming the fix."""
     fix = (f"must be a number of seconds above 0 and at most {TIMEOUT_MAX}: the most training one failure may lose "
            "under checkpoint.snapshot_every=auto, e.g. 60")  # fmt: skip
-    if isinstance(value, str):  # YAML reads 1e400, Infinity and 1e9 as strings
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(fix) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(fix)
-    if not math.isfinite(value):
-        raise ValueError(_NOT_FINITE)
+    value = _finite_number(value, fix)
     if not 0 < value <= TIMEOUT_MAX:
         raise ValueError(fix)
     return float(value)

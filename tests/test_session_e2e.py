@@ -56,6 +56,18 @@ def launch_script_cmd(script: Path, run_dir: Path, sets: tuple[str, ...], args: 
     return [*cmd, "--", *args]
 
 
+def sigterm_at_step_5(cmd: list[str], pythonpath: str) -> LineWatcher:
+    """Run ``cmd`` (a launch), SIGTERM it once rank 0 logs step 5, and check it exits 75; its output's watcher."""
+    proc, watcher = watch_with(cmd, pythonpath)
+    try:
+        watcher.wait_for(r"\[rank 0\] INFO step 5/", timeout=180)
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, watcher, timeout=120) == 75, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    return watcher
+
+
 def run_script(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
                expect: int = 0) -> str:  # fmt: skip
     done = subprocess.run(script_cmd(script, nproc, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
@@ -144,13 +156,7 @@ def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_pa
     # whose workers are forks that never ran atexit: SIGTERM to the launcher at step 5 (exit 75), then a rerun
     # under launch that ends as under torchrun: its final checkpoint, summary.json, the lock released, the digest.
     run_dir = tmp_path / "run"
-    proc, watcher = watch_with(launch_script_cmd(script, run_dir, sets, args), pythonpath)
-    try:
-        watcher.wait_for(r"\[rank 0\] INFO step 5/", timeout=180)
-        proc.send_signal(signal.SIGTERM)
-        assert finish(proc, watcher, timeout=120) == 75, watcher.text()[-4000:]
-    finally:
-        kill_group(proc)
+    watcher = sigterm_at_step_5(launch_script_cmd(script, run_dir, sets, args), pythonpath)
     first = read_summary(run_dir)
     assert first["status"] == "preempted" and 5 <= first["stopped_at_step"] < 10, watcher.text()[-4000:]
     done = subprocess.run(launch_script_cmd(script, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
@@ -256,13 +262,7 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     launch = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--script", str(script)]
     for override in (*QUICK, f"run_dir={tmp_path / 'run'}", *sets):
         launch += ["--set", override]
-    proc, watcher = watch_with([*launch, "--", *args], pythonpath)
-    try:
-        watcher.wait_for(r"\[rank 0\] INFO step 5/", timeout=180)
-        proc.send_signal(signal.SIGTERM)
-        assert finish(proc, watcher, timeout=120) == 75, watcher.text()[-4000:]
-    finally:
-        kill_group(proc)
+    watcher = sigterm_at_step_5([*launch, "--", *args], pythonpath)
     first = read_summary(tmp_path / "run")
     assert first["status"] == "preempted" and first["stopped_at_step"] >= 5
     output = run_script(script, 2, tmp_path / "run", sets, args, pythonpath)
