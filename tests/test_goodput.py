@@ -262,6 +262,29 @@ def test_a_last_line_without_its_newline_is_skipped_even_when_it_is_a_whole_reco
     assert read_ledger(path) == [first, second]
 
 
+@pytest.mark.parametrize("before", ["", "whole"], ids=["only-a-torn-line", "a-record-then-a-torn-line"])
+@pytest.mark.parametrize("torn", [b'{"kind": "progr', b"x" * (3 * 64 * 1024 + 5)], ids=["short", "over-max-line"])
+def test_a_start_after_a_torn_last_line_keeps_its_own_records(tmp_path, caplog, before, torn):
+    """Issue 39's finding: a ledger that ends in a torn line (a writer died in its write) must not swallow the next
+    start's records. Rank 0 cuts the torn line off before its first append, so that start's record is a line of
+    its own: read back, and still there after the start's end record. Only the torn bytes go."""
+    path = tmp_path / LEDGER
+    first = record(1, T0, T0 + 5)
+    head = first.model_dump_json().encode() + b"\n" if before else b""
+    path.write_bytes(head + torn)
+    with caplog.at_level(logging.WARNING):
+        sink = GoodputSink(tmp_path, 1e9, StartTimes(time.time() - 1), 1, 2)
+    # cut off before the first append (a ledger with a record before it is compacted to that record first)
+    assert ("ended in a torn line" in caplog.text) == (not before)
+    assert path.read_bytes().startswith(head) and torn not in path.read_bytes()
+    sink.finish("completed")
+    sink.close()
+    starts = read_starts(path)
+    own = [r for r in starts if r.pid == os.getpid()]
+    assert len(own) == 1 and own[0].status == "completed", starts
+    assert [r for r in starts if r.pid != os.getpid()] == ([first] if before else []), starts
+
+
 def ledger_of_one_start(path: Path, lines: int) -> Record:
     """``lines`` progress records of one start (one every 10 s, as the sink writes them); returns the last."""
     template = record(end=T0 + 10, first_step=T0 + 1, steps=1, step=1, productive=1.0).model_dump_json()

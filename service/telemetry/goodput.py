@@ -33,6 +33,7 @@ from service.telemetry.ledger import (  # noqa: F401 (LEDGER, Record, read_ledge
     Record,
     Status,
     compact,
+    cut_torn_tail,
     last_per_start,
     read_ledger,
     read_starts,
@@ -183,6 +184,7 @@ class GoodputSink(NoGoodput):
             self.earlier = read_starts(self.path)  # streamed: memory grows with the starts, not the lines
             compact(self.path, self.earlier)  # ... and the next start reads those lines alone
             self.fd = open_append(self.path.parent, LEDGER)  # a regular file only: a FIFO is refused, not waited on
+            cut_torn_tail(self.path, self.fd)  # this start's first record begins a line, glued to no torn one
         except (OSError, ValueError) as exc:
             self._failed(exc)
         self.every = every

@@ -12,11 +12,10 @@ start. The file is opened only when it is a regular file
 
 A record is a line with its newline. The writer writes both in one ``os.write`` on an ``O_APPEND`` descriptor,
 so a last line without one is a write that did not finish, and it is skipped even when its bytes hold a whole,
-valid record (decided in issue 39). The next start's first append lands on the end of that line (unless
-compaction rewrote the ledger first), so a reader that took it would count a record that a later reader finds
-glued to another line and drops: the job's figures would change behind it. Skipped, those bytes read the same
-way before and after any append; what is lost is a dying start's last record, whose time since its previous
-record the fold then counts as a gap.
+valid record (decided in issue 39): a reader that took it would count a record that is later cut off. What
+is lost is a dying start's last record, whose time since its previous record the fold then counts as a gap.
+Before its first append, rank 0 cuts such a torn last line off (:func:`cut_torn_tail`), so the next start's
+first record begins a line of its own and is never glued to the torn one.
 """
 
 from __future__ import annotations
@@ -146,6 +145,28 @@ def read_starts(path: Path, most: int = MAX_STARTS) -> list[Record]:
     """The last valid record of each start in the ledger at ``path``, streamed: what the fold needs, in memory
     that grows with the starts (at most ``most``, :data:`MAX_STARTS`; a test lowers it), not with the lines."""
     return last_per_start(iter_ledger(path), most)
+
+
+def cut_torn_tail(path: Path, fd: int) -> int:
+    """Cut the ledger at ``path`` back to the end of its last whole line, through ``fd`` (rank 0's append
+    descriptor), so the next append begins a line; returns the bytes cut. The bytes cut are a line that no reader
+    takes (:func:`iter_ledger` skips a last line without its newline), so no reader's view changes."""
+    file, size = open_regular(path.parent, path.name)
+    with file:
+        end = size
+        while end > 0:  # back a chunk at a time to the last newline: a torn line may be long
+            start = max(0, end - MAX_LINE)
+            file.seek(start)
+            found = file.read(end - start).rfind(b"\n")
+            if found >= 0:
+                end = start + found + 1
+                break
+            end = start
+    if end < size:
+        os.ftruncate(fd, end)
+        log.warning("the goodput ledger %s ended in a torn line (%d bytes, a writer that died in its write): cut "
+                    "off, so this start's records begin a line of their own", path, size - end)  # fmt: skip
+    return size - end
 
 
 def compact(path: Path, starts: list[Record], most: int = MAX_STARTS) -> None:
