@@ -173,6 +173,29 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 150) -
         kill_group(proc)
 
 
+HYBRID = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+UNIFIED_IN_A_NAMESPACE = "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_a_freeze_is_read_wherever_this_host_mounts_its_cgroups():
+    """#36.3: the fork server's freeze is read from cgroup v2 wherever it is mounted (/sys/fs/cgroup/unified on a
+    hybrid host, where /sys/fs/cgroup/<path>/cgroup.events does not exist: the freeze went unseen) and from cgroup
+    v1's freezer; a mount of a sub-tree (a container's) maps /proc/PID/cgroup's paths under it."""
+    from service.ops.watched import cgroup_dir, parse_cgroup_mounts
+
+    hybrid = parse_cgroup_mounts(HYBRID)
+    assert hybrid == {"2": ("/", Path("/sys/fs/cgroup/unified")), "freezer": ("/", Path("/sys/fs/cgroup/freezer"))}
+    assert cgroup_dir("2", "/job/a", hybrid) == Path("/sys/fs/cgroup/unified/job/a")
+    assert cgroup_dir("freezer", "/docker/c1", hybrid) == Path("/sys/fs/cgroup/freezer/docker/c1")
+    unified = parse_cgroup_mounts(UNIFIED_IN_A_NAMESPACE)
+    assert cgroup_dir("2", "/kubepods/pod1/c2", unified) == Path("/sys/fs/cgroup/c2")
+    assert cgroup_dir("2", "/elsewhere", unified) is None and cgroup_dir("freezer", "/x", unified) is None
+
+
 @pytest.mark.e2e
 def test_launch_runs_a_job_to_completion_and_passes_torchrun_options_through(tmp_path):
     """The job file between torchrun options; c10d, --rdzv-id, --log-dir and --tee reach torchrun's agent."""
@@ -488,8 +511,9 @@ def freezer(kind: str):
             pytest.skip(f"cannot move a process into {child} ({exc}): this cgroup tree does not allow it here")
         moved.append(pid)
         (child / control).write_text(freeze)
+        state, done = ("cgroup.events", "frozen 1") if hierarchy == "2" else ("freezer.state", "FROZEN")
         deadline = time.monotonic() + 10
-        while not watched._frozen(pid):
+        while done not in (child / state).read_text().splitlines():
             assert time.monotonic() < deadline, f"{pid} in {child} did not freeze"
             time.sleep(0.02)
 

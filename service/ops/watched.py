@@ -58,29 +58,37 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-@functools.cache
-def cgroup_mounts() -> dict[str, tuple[str, Path]]:
-    """Where this machine mounts the cgroup hierarchies a freeze is read from: ``"2"`` for cgroup v2 (at
-    ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid host), ``"freezer"`` for cgroup v1's freezer
-    (``docker pause`` on a v1 host); each as (the hierarchy's path mounted there, the mount point)."""
+def parse_cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, Path]]:
+    """From ``/proc/self/mountinfo``'s text, where the cgroup hierarchies a freeze is read from are mounted: ``"2"``
+    for cgroup v2 (at ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid host), ``"freezer"`` for cgroup
+    v1's freezer (``docker pause`` on a v1 host); each as (the hierarchy's path mounted there, the mount point)."""
     mounts: dict[str, tuple[str, Path]] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            fields, _, fs = line.partition(" - ")
-            parts, fs_parts = fields.split(), fs.split()
-            if len(parts) < 5 or len(fs_parts) < 3:
-                continue
-            if fs_parts[0] == "cgroup2":
-                mounts.setdefault("2", (parts[3], Path(parts[4])))
-            elif fs_parts[0] == "cgroup" and "freezer" in fs_parts[2].split(","):
-                mounts.setdefault("freezer", (parts[3], Path(parts[4])))
+    for line in mountinfo.splitlines():
+        fields, _, fs = line.partition(" - ")
+        parts, fs_parts = fields.split(), fs.split()
+        if len(parts) < 5 or len(fs_parts) < 3:
+            continue
+        if fs_parts[0] == "cgroup2":
+            mounts.setdefault("2", (parts[3], Path(parts[4])))
+        elif fs_parts[0] == "cgroup" and "freezer" in fs_parts[2].split(","):
+            mounts.setdefault("freezer", (parts[3], Path(parts[4])))
     return mounts
 
 
-def cgroup_dir(hierarchy: str, path: str) -> Path | None:
-    """The directory of cgroup ``path`` (as ``/proc/PID/cgroup`` names it) in ``hierarchy`` (:func:`cgroup_mounts`),
-    or None where that hierarchy is not mounted here or that cgroup lies outside its mount."""
-    mount = cgroup_mounts().get(hierarchy)
+@functools.cache
+def cgroup_mounts() -> dict[str, tuple[str, Path]]:
+    """This machine's :func:`parse_cgroup_mounts` (read once)."""
+    try:
+        return parse_cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return {}
+
+
+def cgroup_dir(hierarchy: str, path: str, mounts: dict[str, tuple[str, Path]] | None = None) -> Path | None:
+    """The directory of cgroup ``path`` (as ``/proc/PID/cgroup`` names it) in ``hierarchy`` of ``mounts`` (this
+    machine's :func:`cgroup_mounts` by default), or None where that hierarchy is not mounted or that cgroup lies
+    outside its mount."""
+    mount = (cgroup_mounts() if mounts is None else mounts).get(hierarchy)
     if mount is None:
         return None
     root, point = mount
