@@ -781,13 +781,14 @@ def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_co
     assert took < 5.0, f"the script ended {took:.1f} s after SIGTERM:\n{watcher.text()[-3000:]}"
     print(f"a script with no Session ended {took:.2f} s after SIGTERM")
     done = subprocess.run(launch_cmd("--nproc-per-node=2", "--set", f"run_dir={tmp_path / 'run'}", "--script", script,
-                                     "--", "3", str(tmp_path / "launch")), cwd=REPO, env=child_env(),
+                                     "--", "3"), cwd=REPO, env=child_env(ENDS_FILE=str(tmp_path / "launch")),
                           capture_output=True, text=True, timeout=150)  # fmt: skip
     assert done.returncode == 3, (done.stdout + done.stderr)[-3000:]
     assert "launch: exit 3 (the workers' own exit code)" in done.stderr
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            "--max-restarts=0", script, "3", str(tmp_path / "torchrun")], cwd=REPO, env=child_env(),
-                           capture_output=True, text=True, timeout=150)  # fmt: skip
+                            "--max-restarts=0", script, "3"], cwd=REPO,
+                           env=child_env(ENDS_FILE=str(tmp_path / "torchrun")), capture_output=True, text=True,
+                           timeout=150)  # fmt: skip
     assert plain.returncode != 0, (plain.stdout + plain.stderr)[-3000:]
     for rank in (0, 1):
         ends = [(tmp_path / f"{agent}.{rank}").read_text() for agent in ("torchrun", "launch")]
