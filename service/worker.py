@@ -6,14 +6,16 @@ train ...`` as :func:`service.entry.main` runs it, or, after ``--script PATH``, 
 Like a worker started as a program, it has the stop signals' default actions, multiprocessing's default start
 method and its own thread pool size, imports the job's task module or script itself (the fork server preloads only
 torch and the service: none of a user's module-level code runs there), and ends as a program ends
-(:func:`finish`): ``sys.excepthook`` for an uncaught exception, then the ``atexit`` handlers (a
+(:func:`finish`): ``sys.excepthook`` for an uncaught exception, then the join of the threads it started that are
+not daemons (``threading._shutdown``, as an interpreter's finalization does), then the ``atexit`` handlers (a
 ``Session().start()`` without ``with`` closes there), then the exit code a program would have. A multiprocessing
-child runs neither of those by itself."""
+child runs none of those by itself, or joins its threads only after (its ``_bootstrap``)."""
 
 import atexit
 import multiprocessing
 import os
 import sys
+import threading
 
 from service import early
 
@@ -54,6 +56,15 @@ def program_code(exc: SystemExit) -> int:
     return 1
 
 
+def end_as_a_program() -> None:
+    """What an interpreter's finalization runs after the main module, in its order: wait for every thread that is
+    not a daemon (``threading._shutdown``: a script's writer thread finishes its file), then the ``atexit``
+    handlers. multiprocessing's ``_bootstrap`` calls ``threading._shutdown`` again later, which then returns at
+    once."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+
+
 def finish(run: object) -> None:
     """Run ``run()`` and end as a program does. A success returns (torchrun's agent counts a function worker done
     once it has returned); an uncaught exception, after ``sys.excepthook`` and the ``atexit`` handlers, goes on to
@@ -65,11 +76,11 @@ def finish(run: object) -> None:
     except BaseException as exc:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.stderr.flush()
-        atexit._run_exitfuncs()
+        end_as_a_program()
         raise
     else:
         code = 0
-    atexit._run_exitfuncs()
+    end_as_a_program()
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:

@@ -173,6 +173,29 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 150) -
         kill_group(proc)
 
 
+HYBRID = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+UNIFIED_IN_A_NAMESPACE = "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_a_freeze_is_read_wherever_this_host_mounts_its_cgroups():
+    """#36.3: the fork server's freeze is read from cgroup v2 wherever it is mounted (/sys/fs/cgroup/unified on a
+    hybrid host, where /sys/fs/cgroup/<path>/cgroup.events does not exist: the freeze went unseen) and from cgroup
+    v1's freezer; a mount of a sub-tree (a container's) maps /proc/PID/cgroup's paths under it."""
+    from service.ops.watched import cgroup_dir, parse_cgroup_mounts
+
+    hybrid = parse_cgroup_mounts(HYBRID)
+    assert hybrid == {"2": ("/", Path("/sys/fs/cgroup/unified")), "freezer": ("/", Path("/sys/fs/cgroup/freezer"))}
+    assert cgroup_dir("2", "/job/a", hybrid) == Path("/sys/fs/cgroup/unified/job/a")
+    assert cgroup_dir("freezer", "/docker/c1", hybrid) == Path("/sys/fs/cgroup/freezer/docker/c1")
+    unified = parse_cgroup_mounts(UNIFIED_IN_A_NAMESPACE)
+    assert cgroup_dir("2", "/kubepods/pod1/c2", unified) == Path("/sys/fs/cgroup/c2")
+    assert cgroup_dir("2", "/elsewhere", unified) is None and cgroup_dir("freezer", "/x", unified) is None
+
+
 @pytest.mark.e2e
 def test_launch_runs_a_job_to_completion_and_passes_torchrun_options_through(tmp_path):
     """The job file between torchrun options; c10d, --rdzv-id, --log-dir and --tee reach torchrun's agent."""
@@ -421,15 +444,24 @@ def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts
         assert cold.exitcode == 4 and not alive(server)
         assert f"the fork server (pid {server}) is stopped" in caplog.text and "--no-fork-server" in caplog.text
         assert "it preloads nothing" in caplog.text
-        # A fork server that died (here SIGKILLed) between two starts: the next start says so and goes cold.
+        # A fork server gone (here SIGKILLed) while a worker runs: the worker runs on (launch's workers die with
+        # the agent, not with the fork server), its exit is known at once all the same (no code: nobody is left
+        # to tell it, 255 as multiprocessing says of a lost fork server), and the next start says so and goes cold.
         watched.COLD.why = None
         warm = context.Process(target=exit_after, args=(0.05, 0))
         warm.start()  # a new fork server
         warm.join(30)
         server = forkserver._forkserver._forkserver_pid
         assert warm.exitcode == 0 and isinstance(warm._popen, watched.WatchedPopen) and alive(server)
+        worker = context.Process(target=exit_after, args=(600, 0))
+        worker.start()
         os.kill(server, signal.SIGKILL)
         time.sleep(0.2)
+        assert alive(worker.pid) and worker.exitcode is None
+        killed = time.monotonic()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        assert worker.exitcode in (255, -signal.SIGKILL) and time.monotonic() - killed < 1.0, worker.exitcode
         caplog.clear()
         with caplog.at_level("WARNING", logger="service.ops.launcher"):
             cold = context.Process(target=exit_after, args=(0.05, 5))
@@ -441,6 +473,108 @@ def test_the_agent_learns_a_forked_workers_exit_and_code_on_its_pidfd_and_starts
             with contextlib.suppress(OSError):
                 os.kill(server, signal.SIGKILL)
         watched.COLD.why = None
+
+
+FREEZERS = {"cgroup2": ("2", "cgroup.freeze", "1", "0"), "cgroup1-freezer": ("freezer", "freezer.state", "FROZEN",
+                                                                               "THAWED")}  # fmt: skip
+
+
+@contextlib.contextmanager
+def freezer(kind: str):
+    """A cgroup of its own under this test's cgroup in ``kind`` (:data:`FREEZERS`), as a function that moves a
+    process into it and freezes it; thawed and removed after. Skips, naming why, where this machine does not let
+    this test make one (no such hierarchy mounted, no write access: a kernel's or a container's limit, nothing that
+    an install could add)."""
+    from service.ops import watched
+
+    hierarchy, control, freeze, thaw = FREEZERS[kind]
+    own = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        if (hierarchy == "2" and number == "0" and not controllers) or hierarchy in controllers.split(","):
+            own = watched.cgroup_dir(hierarchy, path)
+    if own is None:
+        pytest.skip(f"no {kind} hierarchy is mounted here, or this test's cgroup lies outside its mount")
+    child = own / f"ddp-test-freeze-{os.getpid()}"
+    try:
+        child.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup under this test's own {kind} cgroup {own} ({exc}): no delegation here")
+    moved: list[int] = []
+
+    def frozen(pid: int) -> None:
+        if not (child / control).exists():
+            pytest.skip(f"{child / control} does not exist: this kernel has no {kind} freezer (cgroup v2 needs 5.2)")
+        try:
+            (child / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            pytest.skip(f"cannot move a process into {child} ({exc}): this cgroup tree does not allow it here")
+        moved.append(pid)
+        (child / control).write_text(freeze)
+        state, done = ("cgroup.events", "frozen 1") if hierarchy == "2" else ("freezer.state", "FROZEN")
+        deadline = time.monotonic() + 10
+        while done not in (child / state).read_text().splitlines():
+            assert time.monotonic() < deadline, f"{pid} in {child} did not freeze"
+            time.sleep(0.02)
+
+    try:
+        yield frozen
+    finally:
+        with contextlib.suppress(OSError):
+            (child / control).write_text(thaw)  # a cgroup v1 frozen process dies of its SIGKILL only now
+        for pid in moved:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (child / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.rmdir()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", sorted(FREEZERS))
+def test_a_frozen_fork_server_hides_no_workers_exit_and_the_next_start_goes_cold_at_once(kind, monkeypatch, caplog):
+    """#36.3: a fork server frozen by its cgroup's freezer (cgroup v2's cgroup.freeze; cgroup v1's freezer, as
+    docker pause on a v1 host, where it does not even die of SIGKILL until thawed) answers nothing. A SIGKILLed
+    worker's exit and its code (from its zombie) are known within a second all the same, and the next start kills
+    the frozen server with a warning naming --no-fork-server and starts a new interpreter without waiting for it."""
+    import multiprocessing
+    from multiprocessing import forkserver, popen_forkserver
+
+    from procs import exit_after
+
+    from service.ops import watched
+
+    monkeypatch.setattr(popen_forkserver, "Popen", popen_forkserver.Popen)  # restored after the test
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", [])
+    watched.install(("nothing",))
+    context = multiprocessing.get_context("forkserver")
+    server = 0
+    with freezer(kind) as frozen:
+        try:
+            worker = context.Process(target=exit_after, args=(600, 0))
+            worker.start()
+            server = forkserver._forkserver._forkserver_pid
+            assert isinstance(worker._popen, watched.WatchedPopen) and watched.trouble(server) is None
+            frozen(server)  # the worker, forked before, stays in this test's cgroup and runs
+            killed = time.monotonic()
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(5)
+            assert worker.exitcode == -signal.SIGKILL and time.monotonic() - killed < 1.0, worker.exitcode
+            cold = context.Process(target=exit_after, args=(0.05, 4))
+            started = time.monotonic()
+            with caplog.at_level("WARNING", logger="service.ops.launcher"):
+                cold.start()
+            assert time.monotonic() - started < 5.0, "the start waited on the frozen fork server"
+            cold.join(60)
+            assert cold.exitcode == 4 and not isinstance(cold._popen, watched.WatchedPopen)
+            assert f"the fork server (pid {server}) is frozen (its cgroup's freezer)" in caplog.text, caplog.text
+            assert "--no-fork-server" in caplog.text and forkserver._forkserver._forkserver_pid is None
+        finally:
+            watched.COLD.why = None
+            if server:
+                with contextlib.suppress(OSError):
+                    os.kill(server, signal.SIGKILL)
 
 
 def cmdline(pid: int) -> bytes:
@@ -627,7 +761,9 @@ def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_co
     that never creates one held SIGTERM for good: torchrun's agent SIGKILLed it 30 s later. A held signal that no
     Session takes within a second now ends the script as it would have (exit 143), and launch exits 75: signalled
     before any summary, nothing saved, the rerun starts the script afresh. #35.1: a script's own sys.exit(3) in every
-    worker is launch's exit code too (it was 1)."""
+    worker is launch's exit code too (it was 1). #36.3: a worker ends as a program: the thread the script started
+    (not a daemon) is joined before its atexit handlers run, as under plain torchrun (they ran first: the forked
+    worker joined its threads only after them, in multiprocessing's own ending)."""
     script = str(REPO / "tests" / "scripts" / "no_session.py")
     proc, watcher = start("--nproc-per-node=2", "--set", f"run_dir={tmp_path / 'run'}", "--script", script, "--",
                           "sleep")  # fmt: skip
@@ -645,10 +781,18 @@ def test_a_script_without_a_session_stops_on_sigterm_at_once_and_its_own_exit_co
     assert took < 5.0, f"the script ended {took:.1f} s after SIGTERM:\n{watcher.text()[-3000:]}"
     print(f"a script with no Session ended {took:.2f} s after SIGTERM")
     done = subprocess.run(launch_cmd("--nproc-per-node=2", "--set", f"run_dir={tmp_path / 'run'}", "--script", script,
-                                     "--", "3"), cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=150)  # fmt: skip
+                                     "--", "3"), cwd=REPO, env=child_env(ENDS_FILE=str(tmp_path / "launch")),
+                          capture_output=True, text=True, timeout=150)  # fmt: skip
     assert done.returncode == 3, (done.stdout + done.stderr)[-3000:]
     assert "launch: exit 3 (the workers' own exit code)" in done.stderr
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "--max-restarts=0", script, "3"], cwd=REPO,
+                           env=child_env(ENDS_FILE=str(tmp_path / "torchrun")), capture_output=True, text=True,
+                           timeout=150)  # fmt: skip
+    assert plain.returncode != 0, (plain.stdout + plain.stderr)[-3000:]
+    for rank in (0, 1):
+        ends = [(tmp_path / f"{agent}.{rank}").read_text() for agent in ("torchrun", "launch")]
+        assert ends == ["thread atexit "] * 2, ends
 
 
 @pytest.mark.e2e

@@ -20,6 +20,7 @@ again (seen: 90 s, until SIGCONT), and a restart waited on it as long. So here, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -57,15 +58,62 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def _frozen(pid: int) -> bool:
-    """The process's cgroup (v2) is frozen."""
+def parse_cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, Path]]:
+    """From ``/proc/self/mountinfo``'s text, where the cgroup hierarchies a freeze is read from are mounted: ``"2"``
+    for cgroup v2 (at ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid host), ``"freezer"`` for cgroup
+    v1's freezer (``docker pause`` on a v1 host); each as (the hierarchy's path mounted there, the mount point)."""
+    mounts: dict[str, tuple[str, Path]] = {}
+    for line in mountinfo.splitlines():
+        fields, _, fs = line.partition(" - ")
+        parts, fs_parts = fields.split(), fs.split()
+        if len(parts) < 5 or len(fs_parts) < 3:
+            continue
+        if fs_parts[0] == "cgroup2":
+            mounts.setdefault("2", (parts[3], Path(parts[4])))
+        elif fs_parts[0] == "cgroup" and "freezer" in fs_parts[2].split(","):
+            mounts.setdefault("freezer", (parts[3], Path(parts[4])))
+    return mounts
+
+
+@functools.cache
+def cgroup_mounts() -> dict[str, tuple[str, Path]]:
+    """This machine's :func:`parse_cgroup_mounts` (read once)."""
     try:
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                events = Path("/sys/fs/cgroup", line[3:].lstrip("/"), "cgroup.events").read_text()
-                return "frozen 1" in events.splitlines()
+        return parse_cgroup_mounts(Path("/proc/self/mountinfo").read_text())
     except OSError:
-        pass
+        return {}
+
+
+def cgroup_dir(hierarchy: str, path: str, mounts: dict[str, tuple[str, Path]] | None = None) -> Path | None:
+    """The directory of cgroup ``path`` (as ``/proc/PID/cgroup`` names it) in ``hierarchy`` of ``mounts`` (this
+    machine's :func:`cgroup_mounts` by default), or None where that hierarchy is not mounted or that cgroup lies
+    outside its mount."""
+    mount = (cgroup_mounts() if mounts is None else mounts).get(hierarchy)
+    if mount is None:
+        return None
+    root, point = mount
+    relative = os.path.relpath(path, root)
+    return None if relative.startswith("..") else point / relative
+
+
+def _frozen(pid: int) -> bool:
+    """The process's cgroup is frozen: by cgroup v2's ``cgroup.freeze`` (its own or an ancestor's), or by cgroup
+    v1's freezer (where a frozen process does not even die of SIGKILL until it is thawed)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        with contextlib.suppress(OSError):
+            if number == "0" and not controllers and (where := cgroup_dir("2", path)) is not None:
+                if "frozen 1" in (where / "cgroup.events").read_text().splitlines():
+                    return True
+                if (where / "cgroup.freeze").read_text().strip() == "1":
+                    return True  # freezing: it answers nothing either
+            elif "freezer" in controllers.split(",") and (where := cgroup_dir("freezer", path)) is not None:
+                if (where / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING"):
+                    return True
     return False
 
 
@@ -175,8 +223,33 @@ def go_cold(why: str) -> None:
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            forkserver._forkserver._stop()  # type: ignore[attr-defined]  # reaps it, forgets its socket
+        forget_server()
+
+
+def forget_server(reap_seconds: float = 1.0) -> None:
+    """multiprocessing's ``ForkServer._stop`` (close its liveness pipe, reap it, forget its socket) without its
+    unbounded wait: a fork server frozen by cgroup v1's freezer does not die of SIGKILL until it is thawed, and the
+    agent must not wait for that. Not reaped within ``reap_seconds``, it stays the agent's zombie once it dies."""
+    server = forkserver._forkserver
+    with server._lock:  # type: ignore[attr-defined]
+        pid = server._forkserver_pid  # type: ignore[attr-defined]
+        if pid is None:
+            return
+        with contextlib.suppress(OSError, TypeError):
+            os.close(server._forkserver_alive_fd)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + reap_seconds
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.02)
+        address = server._forkserver_address  # type: ignore[attr-defined]
+        if address and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # type: ignore
 
 
 def start(process_obj: Any) -> Any:
