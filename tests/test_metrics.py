@@ -368,6 +368,6 @@ def test_the_timing_comm_hook_trains_bit_for_bit_like_plain_ddp(tmp_path: Path) 
     """metrics.port=auto registers the all-reduce timing hook; the model digest is the one without it."""
     digests = []
     for name, port in (("off", "0"), ("on", "auto")):
-        run_job(tmp_path / name, 2, "train.max_steps=12", "train.grad_accum=2", f"metrics.port={port}")
+        run_job(tmp_path / name, 2, "train.max_steps=12", "train.grad_accum=2", f"metrics.port={port}", start="warm")
         digests.append(read_summary(tmp_path / name)["model_digest"])
     assert digests[0] == digests[1]
