@@ -357,7 +357,7 @@ def test_a_busy_metrics_port_stops_the_job_before_training(tmp_path: Path) -> No
         busy.listen()
         port = busy.getsockname()[1]
         done = run_job(tmp_path / "run", 1, "task=slow_tasks:slow_shapes", "task_options.train_size=16",
-                       f"metrics.port={port}", timeout=120, expect_ok=False)  # fmt: skip
+                       f"metrics.port={port}", start="alone", timeout=120, expect_ok=False)  # fmt: skip
     assert done.returncode != 0
     assert f"127.0.0.1:{port}" in done.stdout and f"metrics.port={port}" in done.stdout, done.stdout[-3000:]
     assert not re.search(r"INFO step \d+/", done.stdout), "it trained before failing on the port"
