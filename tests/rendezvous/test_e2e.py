@@ -38,7 +38,8 @@ AgentFactory = Callable[..., Agent]
 # Agents under `ddp-service launch` (warm=True: the same torchrun agent, its workers forked from a fork server that
 # imported torch once; a restart is a fork, not an interpreter importing torch again) where the test is about the
 # rendezvous, the resume or the lineage, not the start. Cold (torchrun) stay: the plain script, the node loss whose
-# recovery time of a cold restart is bounded (test_b), the gated agents (a mixed world) and the failed start.
+# recovery time of a cold restart is bounded (test_b), the failed start, and the tests with a gated agent (c, c2,
+# d3): a gated agent is a cold one, and every agent of a run id must run the same command (the job's identity).
 
 
 def summary(run_dir: Path) -> dict:
@@ -285,8 +286,8 @@ def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents
     gate = tmp_path / "go"
     c = agents("127.0.0.4", etcd_server.endpoint, "2:3", 1, job, gate=gate)
     c.wait_for("gated agent ready", 60)  # torch imported; torchrun starts when the gate opens
-    a = agents("127.0.0.2", etcd_server.endpoint, "2:3", 1, job, warm=True)
-    b = agents("127.0.0.3", etcd_server.endpoint, "2:3", 1, job, warm=True)
+    a = agents("127.0.0.2", etcd_server.endpoint, "2:3", 1, job)
+    b = agents("127.0.0.3", etcd_server.endpoint, "2:3", 1, job)
     a.wait_for(r"\[rank [01]\] INFO step 1/", 120)
     gate.touch()  # the third node arrives while the world of 2 trains
     for agent in (a, b, c):
@@ -322,7 +323,7 @@ def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
     gate = tmp_path / "go"
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate)
     b.wait_for("gated agent ready", 60)
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
     a.wait_for(r"\[rank 0\] INFO step 5/", 120)
     gate.touch()  # the second node arrives while the world of 1 trains
     for agent in (a, b):
