@@ -156,9 +156,30 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun_cmd(nproc: int, *overrides: str, config: str | None = None, launcher: tuple[str, ...] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *(launcher or ("--standalone",)),
-           f"--nproc_per_node={nproc}", "-m", "service", "train"]  # fmt: skip
+# How a test's job starts its workers. Each new interpreter imports torch and DDP's torch._dynamo (about 2.7 s of
+# CPU), so a test that is not about the start itself takes the cheapest start that still runs what it checks:
+# - "cold": ``torchrun -m service train``, every worker a new interpreter (the start users get from torchrun);
+# - "warm": ``ddp-service launch``, the same torchrun agent, its workers forked from a fork server that imported
+#   torch, torch._dynamo and the service once (a restart is a fork too): for 2 processes one import instead of two;
+# - "alone": ``python -m service train``, no launcher: one process, a world of one (nproc 1; no torchrun agent and
+#   its own import of torch), for single-rank checks that do not need torchrun.
+STARTS = ("cold", "warm", "alone")
+
+
+def torchrun_cmd(nproc: int, *overrides: str, config: str | None = None, launcher: tuple[str, ...] = (),
+                 start: str = "cold") -> list[str]:  # fmt: skip
+    """The command of a job of ``nproc`` processes started ``start``ed (:data:`STARTS`); ``launcher``: torchrun's
+    options (default ``--standalone``)."""
+    if start == "cold":
+        cmd = [sys.executable, "-m", "torch.distributed.run", *(launcher or ("--standalone",)),
+               f"--nproc_per_node={nproc}", "-m", "service", "train"]  # fmt: skip
+    elif start == "warm":
+        cmd = [sys.executable, "-m", "service", "launch", *(launcher or ("--standalone",)), f"--nproc-per-node={nproc}"]
+    elif start == "alone" and nproc == 1 and not launcher:
+        cmd = [sys.executable, "-m", "service", "train"]
+    else:
+        raise ValueError(f"start={start!r} with nproc={nproc} and launcher={launcher}: use one of {STARTS}, "
+                         "and 'alone' with nproc=1 and no torchrun options.")  # fmt: skip
     if config:
         cmd.append(config)
     for override in (*QUICK, *overrides):
@@ -166,10 +187,11 @@ def torchrun_cmd(nproc: int, *overrides: str, config: str | None = None, launche
     return cmd
 
 
-def run_job(run_dir: Path, nproc: int, *overrides: str, config: str | None = None,
+def run_job(run_dir: Path, nproc: int, *overrides: str, config: str | None = None, start: str = "cold",
             timeout: float = 180, expect_ok: bool = True, **env: str) -> subprocess.CompletedProcess:  # fmt: skip
-    """One real torchrun job; returns the finished process (stdout+stderr in .stdout)."""
-    cmd = torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, config=config)
+    """One real job (started as ``start`` says: :data:`STARTS`); returns the finished process (stdout+stderr in
+    .stdout)."""
+    cmd = torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, config=config, start=start)
     with subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True) as proc:  # fmt: skip
         try:

@@ -50,12 +50,12 @@ def test_eval_of_two_ranks_equals_one_rank_on_the_same_weights(tmp_path: Path) -
     A rank-blind shard (both ranks on the same half) or totals that are not all-reduced change the numbers.
     """
     one = tmp_path / "one"
-    run_job(one, 1, *EVAL_JOB)
+    run_job(one, 1, *EVAL_JOB, start="alone")
     first = read_summary(one)
     assert first["status"] == "completed" and first["global_step"] == 6, first
     two = tmp_path / "two"
     shutil.copytree(one, two)
-    run_job(two, 2, *EVAL_JOB)
+    run_job(two, 2, *EVAL_JOB, start="warm")
     second = read_summary(two)
     assert second["world_size"] == 2 and second["resumed_from"] is not None, second
     assert second["global_step"] == 6 and second["model_digest"] == first["model_digest"], second
@@ -79,7 +79,7 @@ def test_each_epoch_feeds_its_own_permutation(tmp_path: Path) -> None:
     record = tmp_path / "record"
     run_job(tmp_path / "run", 1, "task=probe_tasks:recording_shapes", f"task_options.record_dir={record}",
             f"task_options.train_size={size}", "task_options.eval_size=8", "train.batch_size=8",
-            f"train.epochs={epochs}", f"seed={seed}", "data.num_workers=0")  # fmt: skip
+            f"train.epochs={epochs}", f"seed={seed}", "data.num_workers=0", start="alone")  # fmt: skip
     fetched = [int(line) for line in (record / "fetch-rank0.txt").read_text().split()]
     assert len(fetched) == size * epochs, fetched
     orders = [fetched[e * size : (e + 1) * size] for e in range(epochs)]

@@ -29,10 +29,10 @@ LEARNS = {"mnist": ("accuracy", 0.3), "nanogpt": ("accuracy", 0.15), "word_lm": 
 TASKS = {"mnist": ("mnist_cnn:build", 8), "nanogpt": ("nanogpt_char:build", 16), "word_lm": ("word_lm:build", 8)}
 
 
-def start(run_dir, name: str, *launcher: str, overrides: tuple[str, ...] = ()) -> subprocess.Popen:
-    # log_every may change between starts; 1: a line for every step
-    cmd = torchrun_cmd(2, f"run_dir={run_dir}", "train.log_every=1", *overrides,
-                       config=str(EXAMPLES / f"{name}.yaml"), launcher=("--standalone", *launcher))  # fmt: skip
+def start(run_dir, name: str, *launcher: str, overrides: tuple[str, ...] = (), how: str = "cold") -> subprocess.Popen:
+    # log_every may change between starts; 1: a line for every step. how: conftest.STARTS
+    cmd = torchrun_cmd(2, f"run_dir={run_dir}", "train.log_every=1", *overrides, config=str(EXAMPLES / f"{name}.yaml"),
+                       launcher=("--standalone", *launcher), start=how)  # fmt: skip
     env = child_env(PYTHONUNBUFFERED="1", PYTHONPATH=f"{REPO}:{EXAMPLES}:{REPO / 'tests' / 'tasks'}")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
@@ -55,7 +55,7 @@ def finished(proc: subprocess.Popen, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize("name", ["mnist", "nanogpt", "word_lm"])
 def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path, name):
-    straight = start(tmp_path / "straight", name)
+    straight = start(tmp_path / "straight", name, how="warm")  # the reference; the preempted run is torchrun's
     run = start(tmp_path / "run", name, "--max-restarts=1", overrides=signalled_at(3, name))
     output = finished(run)
     straight_out = finished(straight)

@@ -35,7 +35,8 @@ def test_init_from_best_across_pruning_and_resume_and_export_round_trip(tmp_path
     init = tmp_path / "init.safetensors"
     safetensors.torch.save_file(start, init)
     run_dir = tmp_path / "run"
-    first = run_job(run_dir, 2, *TINY, "train.max_steps=12", f"init_from={init}", "logging.all_ranks=true")
+    first = run_job(run_dir, 2, *TINY, "train.max_steps=12", f"init_from={init}", "logging.all_ranks=true",
+                    start="warm")  # fmt: skip
     assert first.stdout.count(f"init_from: loaded 40 tensors from {init}") == 2  # every rank, before DDP
     losses = evals(first.stdout)
     assert sorted(losses) == [4, 8, 12]
@@ -46,7 +47,7 @@ def test_init_from_best_across_pruning_and_resume_and_export_round_trip(tmp_path
     assert read_summary(run_dir)["checkpoint"]["best"]["step"] == 4
 
     # Resume (1 rank): the checkpoint wins over init_from, and the best so far is carried on.
-    second = run_job(run_dir, 1, *TINY, "train.max_steps=16", f"init_from={init}")
+    second = run_job(run_dir, 1, *TINY, "train.max_steps=16", f"init_from={init}", start="alone")
     assert "resuming from" in second.stdout and "init_from: loaded" not in second.stdout
     assert evals(second.stdout) and max(evals(second.stdout).values()) < losses[4]  # its own best is worse
     best = json.loads((checkpoints / "best.json").read_text())

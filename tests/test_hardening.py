@@ -85,7 +85,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
     pid = dead_pid()
     (run_dir / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "run_id": "old-job",
                                                  "started": time.time() - 60, "token": "x"}))  # fmt: skip
-    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", "task_options.sleep=0")
+    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", "task_options.sleep=0", start="alone")
     assert f"pid {pid} on host {socket.gethostname()!r}, run id 'old-job'" in done.stdout
     assert f"is stale (its process {pid} on this host is gone): taking it over" in done.stdout
     assert read_summary(run_dir)["status"] == "completed" and not (run_dir / LOCK_NAME).exists()
@@ -234,7 +234,7 @@ def test_a_dangling_symlink_at_the_lock_fails_the_start_at_once_saying_what_to_r
     run_dir.mkdir()
     (run_dir / LOCK_NAME).symlink_to(tmp_path / "elsewhere" / ".lock")
     started = time.monotonic()
-    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", expect_ok=False, timeout=90)
+    done = run_job(run_dir, 1, *SLOW, "train.max_steps=2", start="alone", expect_ok=False, timeout=90)
     assert done.returncode != 0 and time.monotonic() - started < 60
     assert f"run_dir lock {run_dir / LOCK_NAME} is a symbolic link to" in done.stdout, done.stdout[-3000:]
     assert "which does not exist, not a lock file" in done.stdout and f"rm {run_dir / LOCK_NAME}" in done.stdout
@@ -335,7 +335,7 @@ NAN = ("task=nan_tasks:nan_at", "task_options.steps=[3]", "train.max_steps=8", "
 
 def test_nonfinite_stop_fails_naming_the_step_and_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    done = run_job(run_dir, 1, *NAN, expect_ok=False)
+    done = run_job(run_dir, 1, *NAN, start="alone", expect_ok=False)
     assert done.returncode != 0
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and summary["stopped_at_step"] == 4
@@ -348,7 +348,7 @@ def test_nonfinite_stop_fails_naming_the_step_and_the_last_good_checkpoint(tmp_p
 
 def test_nonfinite_skip_skips_the_update_and_counts_it(tmp_path):
     run_dir = tmp_path / "run"
-    done = run_job(run_dir, 1, *NAN, "task_options.steps=[3,5]", "train.nonfinite=skip")
+    done = run_job(run_dir, 1, *NAN, "task_options.steps=[3,5]", "train.nonfinite=skip", start="alone")
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["nonfinite_steps"] == 2
     assert summary["final_loss"] == summary["final_loss"]  # finite: the nan steps never reached the weights

@@ -357,7 +357,7 @@ def test_a_busy_metrics_port_stops_the_job_before_training(tmp_path: Path) -> No
         busy.listen()
         port = busy.getsockname()[1]
         done = run_job(tmp_path / "run", 1, "task=slow_tasks:slow_shapes", "task_options.train_size=16",
-                       f"metrics.port={port}", timeout=120, expect_ok=False)  # fmt: skip
+                       f"metrics.port={port}", start="alone", timeout=120, expect_ok=False)  # fmt: skip
     assert done.returncode != 0
     assert f"127.0.0.1:{port}" in done.stdout and f"metrics.port={port}" in done.stdout, done.stdout[-3000:]
     assert not re.search(r"INFO step \d+/", done.stdout), "it trained before failing on the port"
@@ -368,6 +368,6 @@ def test_the_timing_comm_hook_trains_bit_for_bit_like_plain_ddp(tmp_path: Path) 
     """metrics.port=auto registers the all-reduce timing hook; the model digest is the one without it."""
     digests = []
     for name, port in (("off", "0"), ("on", "auto")):
-        run_job(tmp_path / name, 2, "train.max_steps=12", "train.grad_accum=2", f"metrics.port={port}")
+        run_job(tmp_path / name, 2, "train.max_steps=12", "train.grad_accum=2", f"metrics.port={port}", start="warm")
         digests.append(read_summary(tmp_path / name)["model_digest"])
     assert digests[0] == digests[1]

@@ -1,7 +1,8 @@
 """Issue 17, part 2 under real torchrun (2 CPU processes): fp16's scaler and train.compile resume exactly.
 
 An interrupted run is its step-4 checkpoint copied alone into a fresh run_dir: what a rerun after a
-kill past that save finds (the kill and restart paths themselves are test_resume_e2e's).
+kill past that save finds (the kill and restart paths themselves are test_resume_e2e's). The jobs run under
+``ddp-service launch`` (workers forked from its fork server: conftest.STARTS), the start being no part of this.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_fp16_overflow_skips_and_compiled_and_eager_runs_resume_from_each_other_
     so the weights match bit for bit; inductor fuses and reorders float math (last-bit differences).
     """
     straight = tmp_path / "compiled"
-    done = run_job(straight, 2, *HUGE, COMPILED)  # nonfinite: stop (the default); a scaler skip does not trip it
+    # nonfinite: stop (the default); a scaler skip does not trip it
+    done = run_job(straight, 2, *HUGE, COMPILED, start="warm")
     summary = read_summary(straight)
     assert summary["status"] == "completed" and summary["nonfinite_steps"] == 1, done.stdout[-3000:]
     assert "step 3: the gradient norm is" in done.stdout and "lowers its scale from 65536 to 32768" in done.stdout
@@ -53,9 +55,9 @@ def test_fp16_overflow_skips_and_compiled_and_eager_runs_resume_from_each_other_
     assert keys == ["linear.weight", "linear.bias"]  # no _orig_mod. or module. prefix
 
     eager = interrupted_at(4, straight, tmp_path / "eager-from-compiled")
-    run_job(eager, 2, *HUGE)
+    run_job(eager, 2, *HUGE, start="warm")
     recompiled = interrupted_at(6, eager, tmp_path / "compiled-from-eager")
-    run_job(recompiled, 2, *HUGE, COMPILED)
+    run_job(recompiled, 2, *HUGE, COMPILED, start="warm")
     for run_dir, step in ((eager, 4), (recompiled, 6)):
         resumed = read_summary(run_dir)
         assert resumed["resumed_from"]["step"] == step and resumed["nonfinite_steps"] == 0  # the skip was before
@@ -72,7 +74,7 @@ def test_the_builtin_task_with_batchnorm_trains_at_two_processes_under_amp(tmp_p
     """
     run_dir = tmp_path / amp
     done = run_job(run_dir, 2, "task=shapes-segmentation", f"train.amp={amp}", "train.max_steps=3",
-                   "train.batch_size=4", "train.log_every=1")  # fmt: skip
+                   "train.batch_size=4", "train.log_every=1", start="warm")  # fmt: skip
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["global_step"] == 3, done.stdout[-3000:]
     weights = checkpoint(run_dir, 3)["model"]

@@ -59,8 +59,10 @@ def watch(cmd: list[str]) -> tuple[subprocess.Popen, LineWatcher]:
     return proc, LineWatcher(proc)
 
 
-def start(run_dir: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ("--standalone",)):
-    return watch(torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, launcher=launcher))
+def start(run_dir: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ("--standalone",),
+          start: str = "cold"):  # fmt: skip
+    """A job (``start``: conftest.STARTS) whose output is watched line by line."""
+    return watch(torchrun_cmd(nproc, f"run_dir={run_dir}", *overrides, launcher=launcher, start=start))
 
 
 def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -> int:
@@ -71,9 +73,9 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -
         raise AssertionError(f"{proc.args[2:5]} ran past {timeout} s:\n{watcher.text()[-4000:]}") from None
 
 
-def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str) -> dict:
+def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str, start_as: str = "cold") -> dict:
     """Start a job, SIGTERM its torchrun agent once a rank logs ``step``, and return the summary it leaves."""
-    proc, watcher = start(run_dir, nproc, *overrides)
+    proc, watcher = start(run_dir, nproc, *overrides, start=start_as)
     try:
         watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
         proc.send_signal(signal.SIGTERM)
@@ -100,7 +102,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
     """
     job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
            "task_options.dropout=0.2", "checkpoint.async=true", "checkpoint.snapshot_every=0")  # fmt: skip
-    run_job(tmp_path / "straight", 2, *job)
+    run_job(tmp_path / "straight", 2, *job, start="warm")  # the reference; the killed run's restart is cold
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "killed"
@@ -137,11 +139,13 @@ def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(
            "task_options.dropout=0.2")  # fmt: skip
     straight_dir = tmp_path / "straight"
     if not load:
-        run_job(straight_dir, 2, *job)
+        run_job(straight_dir, 2, *job, start="warm")  # the reference
     run_dir = tmp_path / "killed"
     if load:
         cpu_burner()
-    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    # idle: torchrun's cold restart; busy: launch's warm one (a fork of the fork server), under load
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"),
+                          start="warm" if load else "cold")  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 12/", timeout=120)
         victims = worker_pids(proc.pid)
@@ -196,7 +200,7 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
         "task_options.sleep=0.02",
     )
     run_dir = tmp_path / "run"
-    first = preempt_agent_at(run_dir, 2, 2, *job)
+    first = preempt_agent_at(run_dir, 2, 2, *job, start_as="warm")
     second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, "data.num_workers=2")
     steps_per_epoch = length // global_batch
     assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < steps_per_epoch  # two resizes in epoch 0
@@ -204,7 +208,7 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
     assert (first["grad_accum"], second["grad_accum"]) == (3, 6)
     assert manifest_steps(run_dir)[-1] == second["stopped_at_step"]
 
-    run_job(run_dir, 3, *job)
+    run_job(run_dir, 3, *job, start="warm")
     final = read_summary(run_dir)
     assert final["status"] == "completed" and final["world_size"] == 3 and final["grad_accum"] == 2
     assert final["resumed_from"]["step"] == second["stopped_at_step"]
@@ -241,14 +245,14 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
     # epoch 1 (a new permutation, eval at the boundary) before it ends.
     job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
            "data.num_workers=2")  # fmt: skip
-    straight_lrs = learning_rates(run_job(tmp_path / "straight", 3, *job).stdout)
+    straight_lrs = learning_rates(run_job(tmp_path / "straight", 3, *job, start="warm").stdout)
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "run"
-    preempted = preempt_agent_at(run_dir, 3, 5, *job)
+    preempted = preempt_agent_at(run_dir, 3, 5, *job, start_as="warm")
     stopped = preempted["stopped_at_step"]
     assert 5 <= stopped < 16 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
-    resumed_lrs = learning_rates(run_job(run_dir, 3, *job).stdout)
+    resumed_lrs = learning_rates(run_job(run_dir, 3, *job, start="warm").stdout)
     assert sorted(resumed_lrs) == list(range(stopped + 1, 17)) and sorted(straight_lrs) == list(range(1, 17))
     assert straight_lrs[stopped + 1] != straight_lrs[1]  # the schedule's state at the stop is not a fresh one's
     assert resumed_lrs == {step: straight_lrs[step] for step in resumed_lrs}, "the LR schedule did not resume"
@@ -266,7 +270,7 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=200", "train.epochs=100", "task_options.sleep=0.02",
                           "task_options.train_size=1024", "checkpoint.every_steps=1", "checkpoint.async=true",
-                          launcher=("--standalone", "--max-restarts=0"))  # fmt: skip
+                          launcher=("--standalone", "--max-restarts=0"), start="warm")  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=120)  # step 3's all-reduce: rank 1 is training too
         os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)
@@ -286,7 +290,8 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     assert len(saves) == 1 and "background" not in saves[0], saves
 
 
-# One-process jobs on the damaged, hostile or mismatched run_dirs a resume meets.
+# One-process jobs on the damaged, hostile or mismatched run_dirs a resume meets: a world of one without torchrun
+# (start="alone"), as what they check is the resume's, not the launcher's.
 ONE = (*SLOW, "task_options.sleep=0", "train.epochs=10", "checkpoint.every_steps=4")
 
 
@@ -298,11 +303,11 @@ def test_e_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     """... and the resumed start (checkpoint.resume=auto) carries the job's lineage on, so its checkpoint.keep=2
     prunes the earlier start's step 4 along with its own (issue 39, 8: a fresh lineage saw only its own)."""
     run_dir = tmp_path / "run"
-    run_job(run_dir, 1, *ONE, "train.max_steps=8")
+    run_job(run_dir, 1, *ONE, "train.max_steps=8", start="alone")
     (lineage,) = lineages(run_dir)
     newest = run_dir / "checkpoints" / "step-00000008.pt"
     newest.write_bytes(newest.read_bytes()[:-100])
-    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", "checkpoint.keep=2")
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", "checkpoint.keep=2", start="alone")
     assert "skipping checkpoint" in proc.stdout and "step-00000008.pt" in proc.stdout
     summary = read_summary(run_dir)
     assert summary["resumed_from"]["step"] == 4 and summary["global_step"] == 12
@@ -315,7 +320,7 @@ def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_
     import torch
 
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
-    run_job(run_dir, 1, *ONE, "train.max_steps=4")
+    run_job(run_dir, 1, *ONE, "train.max_steps=4", start="alone")
 
     class Payload:
         def __reduce__(self):
@@ -328,7 +333,7 @@ def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_
     manifest.update(step=9, file=path.name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     path.with_suffix(".json").write_text(json.dumps(manifest))
 
-    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", expect_ok=False)
+    proc = run_job(run_dir, 1, *ONE, "train.max_steps=12", expect_ok=False, start="alone")
     assert proc.returncode != 0
     assert "UnsafeCheckpointError" in proc.stdout and "step-00000009.pt" in proc.stdout
     assert "Nothing in it was executed" in proc.stdout
@@ -337,23 +342,23 @@ def test_g_malicious_pickle_with_a_valid_manifest_is_refused_and_never_runs(tmp_
 
 def test_resume_refuses_a_changed_training_config_and_obeys_resume_modes(tmp_path):
     run_dir = tmp_path / "run"
-    run_job(run_dir, 1, *ONE, "train.max_steps=4")
-    refused = run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.lr=0.1", expect_ok=False)
+    run_job(run_dir, 1, *ONE, "train.max_steps=4", start="alone")
+    refused = run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.lr=0.1", expect_ok=False, start="alone")
     assert refused.returncode != 0 and "train.lr (0.05 -> 0.1)" in refused.stdout
     assert "checkpoint.resume=never" in refused.stdout
 
     # Fields that may change: log cadence, metrics, max_steps upward.
-    run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.log_every=2", "metrics.tensorboard=true")
+    run_job(run_dir, 1, *ONE, "train.max_steps=8", "train.log_every=2", "metrics.tensorboard=true", start="alone")
     assert read_summary(run_dir)["resumed_from"]["step"] == 4
 
     # never: the earlier checkpoints move aside (nothing is deleted) and training starts at step 0.
-    run_job(run_dir, 1, *ONE, "train.max_steps=4", "train.lr=0.1", "checkpoint.resume=never")
+    run_job(run_dir, 1, *ONE, "train.max_steps=4", "train.lr=0.1", "checkpoint.resume=never", start="alone")
     fresh = read_summary(run_dir)
     assert fresh["resumed_from"] is None and fresh["global_step"] == 4
     archived = list(run_dir.glob("checkpoints.before-*"))
     assert len(archived) == 1 and (archived[0] / "step-00000008.json").is_file()
 
-    empty = run_job(tmp_path / "empty", 1, *ONE, "checkpoint.resume=require", expect_ok=False)
+    empty = run_job(tmp_path / "empty", 1, *ONE, "checkpoint.resume=require", expect_ok=False, start="alone")
     assert empty.returncode != 0 and "checkpoint.resume=require" in empty.stdout
 
 
@@ -363,7 +368,7 @@ def test_f_full_disk_stops_naming_path_and_free_space_and_the_previous_checkpoin
     root = small_fs(size="4m")
     run_dir = root / "run"
     job = (*ONE, "task_options.sleep=0.05", "train.max_steps=40", "checkpoint.on_error=stop")
-    proc, watcher = start(run_dir, 1, *job)
+    proc, watcher = start(run_dir, 1, *job, launcher=(), start="alone")
     try:
         watcher.wait_for(r"checkpoint saved: .*step-00000004\.pt", timeout=120)
         fill(root, 16 * 1024)  # the next checkpoint (~100 KiB) cannot fit
@@ -377,7 +382,7 @@ def test_f_full_disk_stops_naming_path_and_free_space_and_the_previous_checkpoin
     assert valid and not list((run_dir / "checkpoints").glob(".*.tmp"))  # no half-written file left behind
 
     (root / "ballast").unlink()
-    run_job(run_dir, 1, *job)
+    run_job(run_dir, 1, *job, start="alone")
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == valid[-1]
 
@@ -390,7 +395,7 @@ def test_a_node_without_the_checkpoint_receives_it_and_never_starts_older(tmp_pa
     from rendezvous.conftest import free_port
 
     shared, empty = tmp_path / "has", tmp_path / "lacks"
-    run_job(shared, 1, *ONE, "train.max_steps=8", "train.log_every=1")
+    run_job(shared, 1, *ONE, "train.max_steps=8", "train.log_every=1", start="alone")
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"unshared-{uuid.uuid4().hex[:8]}"
     quiet = (
         "--set",
@@ -455,7 +460,7 @@ def test_resume_never_starts_afresh_once_and_a_torchrun_restart_resumes_its_own_
     earlier = write_checkpoint(run_dir / "checkpoints", 50, {"format": 1}, "0" * 64, lineage="an-earlier-run")
     job = (*SLOW, "train.max_steps=18", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
            "checkpoint.resume=never")  # fmt: skip
-    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"), start="warm")
     try:
         watcher.wait_for(r"checkpoint saved: .*step-00000006\.pt", timeout=120)
         killed_at = time.monotonic()

@@ -39,21 +39,24 @@ def paths(*extra: Path) -> str:
 
 
 def script_cmd(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...],
-               restarts: int = 0) -> list[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={restarts}", str(script)]  # fmt: skip
+               restarts: int = 0, start: str = "cold") -> list[str]:  # fmt: skip
+    """``torchrun SCRIPT`` (cold: each worker a new interpreter), or with ``start="warm"`` ``ddp-service launch
+    --script SCRIPT`` (the same agent, its workers forked from the fork server: conftest.STARTS), for the runs that
+    only give a test its reference."""
+    if start == "warm":
+        cmd = [sys.executable, "-m", "service", "launch", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
+               "--script", str(script)]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={restarts}", str(script)]  # fmt: skip
     for override in (*QUICK, f"run_dir={run_dir}", *sets):
         cmd += ["--set", override]
-    return [*cmd, *args]
+    return [*cmd, *(["--"] if start == "warm" else []), *args]
 
 
 def launch_script_cmd(script: Path, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...]) -> list[str]:
     """``ddp-service launch --script`` at 2 processes: its workers forked from the fork server."""
-    cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--max-restarts=0", "--script",
-           str(script)]  # fmt: skip
-    for override in (*QUICK, f"run_dir={run_dir}", *sets):
-        cmd += ["--set", override]
-    return [*cmd, "--", *args]
+    return script_cmd(script, 2, run_dir, sets, args, start="warm")
 
 
 def sigterm_at_step_5(cmd: list[str], pythonpath: str) -> LineWatcher:
@@ -69,9 +72,9 @@ def sigterm_at_step_5(cmd: list[str], pythonpath: str) -> LineWatcher:
 
 
 def run_script(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
-               expect: int = 0) -> str:  # fmt: skip
-    done = subprocess.run(script_cmd(script, nproc, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
-                          env=child_env(PYTHONPATH=pythonpath), timeout=300)  # fmt: skip
+               expect: int = 0, start: str = "cold") -> str:  # fmt: skip
+    done = subprocess.run(script_cmd(script, nproc, run_dir, sets, args, start=start), cwd=REPO, capture_output=True,
+                          text=True, env=child_env(PYTHONPATH=pythonpath), timeout=300)  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == expect, f"exit {done.returncode}:\n{output[-6000:]}"
     return output
@@ -97,7 +100,7 @@ def preempt_and_rerun(script: Path, run_dir: Path, sets: tuple[str, ...], args: 
     first = read_summary(run_dir)
     assert first["status"] == "preempted" and first["stopped_at_step"] >= at, watcher.text()[-4000:]
     assert re.search(r"\[rank [01]\] WARNING SIGTERM received", watcher.text())
-    output = run_script(script, 2, run_dir, sets, args, pythonpath)
+    output = run_script(script, 2, run_dir, sets, args, pythonpath, start="warm")  # the rerun: any start resumes
     return first, read_summary(run_dir), watcher.text() + output
 
 
@@ -134,7 +137,7 @@ def test_dcgan_with_two_optimizers_resumes_bit_exact_and_logs_both_losses(tmp_pa
             "logging.all_ranks=true", "checkpoint.best={metric: loss_G, mode: min}")  # fmt: skip
     (tmp_path / "out").mkdir()
     script = EXAMPLES / "dcgan.py"
-    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath, start="warm")
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == 10, output[-3000:]
     assert re.search(r"\[rank 0\] INFO step 4/10 epoch 0 loss_D [\d.]+ loss_G [\d.]+ D_x [\d.]+ ", output), output[
@@ -213,7 +216,7 @@ def test_tbptt_word_lm_keeps_each_ranks_order_and_hidden_state_through_a_resume(
             "8", "--dropout", "0.2", "--log-interval", "1000", "--save", str(tmp_path / "model.pt"))  # fmt: skip
     sets = ("train.epochs=2", "train.log_every=1", "data.trace=true")
     script = EXAMPLES / "word_lm_tbptt.py"
-    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath, start="warm")
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["epochs_completed"] == 2, output[-3000:]
     assert "End of training" in output  # upstream's own end: the best model saved, loaded back and tested
@@ -254,7 +257,7 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     args = ("--data", str(data), "--block_size", "16", "--batch_size", "4")
     sets = ("train.max_steps=12", "train.log_every=1", "data.num_workers=2")
     script = EXAMPLES / "stream_gpt.py"
-    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath)
+    output = run_script(script, 2, tmp_path / "straight", sets, args, pythonpath, start="warm")
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == 12, output[-3000:]
 
@@ -265,7 +268,7 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     watcher = sigterm_at_step_5([*launch, "--", *args], pythonpath)
     first = read_summary(tmp_path / "run")
     assert first["status"] == "preempted" and first["stopped_at_step"] >= 5
-    output = run_script(script, 2, tmp_path / "run", sets, args, pythonpath)
+    output = run_script(script, 2, tmp_path / "run", sets, args, pythonpath, start="warm")
     resumed = read_summary(tmp_path / "run")
     assert resumed["resumed_from"]["step"] == first["stopped_at_step"]
     assert resumed["model_digest"] == straight["model_digest"], watcher.text()[-3000:] + output[-3000:]

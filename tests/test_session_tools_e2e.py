@@ -44,7 +44,8 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
     a rerun, and the uninterrupted digest; the checkpoint holds the scaler's lowered scale; both replicas equal."""
     sets = ("train.amp=fp16", "train.grad_accum=4", "train.log_every=1", "logging.all_ranks=true")
     out = tmp_path / "straight-out"
-    output = run_script(SCRIPT, 2, tmp_path / "straight", sets, (str(out), str(STEPS), "0.15"), str(REPO))
+    output = run_script(SCRIPT, 2, tmp_path / "straight", sets, (str(out), str(STEPS), "0.15"), str(REPO),
+                        start="warm")  # fmt: skip
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == STEPS, output[-3000:]
     assert straight["grad_accum"] == 4
@@ -82,7 +83,7 @@ def test_accumulation_matches_the_unaccumulated_step_and_an_evaluation_is_exact_
     for accum in (1, 4):
         out = tmp_path / f"out{accum}"
         sets = ("train.amp=off", f"train.grad_accum={accum}")
-        run_script(SCRIPT, 2, tmp_path / f"run{accum}", sets, (str(out), "6", "0"), str(REPO))
+        run_script(SCRIPT, 2, tmp_path / f"run{accum}", sets, (str(out), "6", "0"), str(REPO), start="warm")
         found = results(out, 2)
         assert found[0]["weights"] == found[1]["weights"]
         weights[accum] = [torch.tensor(values) for values in found[0]["weights"]]
@@ -90,7 +91,7 @@ def test_accumulation_matches_the_unaccumulated_step_and_an_evaluation_is_exact_
         torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-6)
 
     out = tmp_path / "three"
-    run_script(SCRIPT, 3, tmp_path / "run3", ("train.amp=off",), (str(out), "2", "0"), str(REPO))
+    run_script(SCRIPT, 3, tmp_path / "run3", ("train.amp=off",), (str(out), "2", "0"), str(REPO), start="warm")
     assert_evaluated(results(out, 3), read_summary(tmp_path / "run3"))
 
 
@@ -100,7 +101,7 @@ def test_the_actor_critic_example_stops_every_rank_at_the_same_episode(tmp_path:
     stop at the same step, before n, with equal replicas, and the run is completed with its checkpoint."""
     sets = ("logging.all_ranks=true",)
     output = run_script(REPO / "examples" / "actor_critic.py", 2, tmp_path / "run", sets,
-                        ("--episodes", "400", "--threshold", "14"), str(REPO))  # fmt: skip
+                        ("--episodes", "400", "--threshold", "14"), str(REPO), start="warm")  # fmt: skip
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed" and summary["global_step"] < 400, output[-3000:]
     assert output.count("solved at episode") == 1  # s.print: rank 0's

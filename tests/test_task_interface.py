@@ -154,7 +154,8 @@ def test_own_step_task_trains_with_padded_batches_and_two_exact_eval_means(tmp_p
     """varlen: a padding collate into a namedtuple, eval every 3 steps; each mean over every eval sample once."""
     run_dir = tmp_path / "run"
     output = run_job(run_dir, 2, "task=own_step_tasks:varlen", "train.batch_size=5", "train.max_steps=7",
-                     "train.eval_every=3", "train.log_every=1", "checkpoint.every_steps=0").stdout  # fmt: skip
+                     "train.eval_every=3", "train.log_every=1", "checkpoint.every_steps=0",
+                     start="warm").stdout  # fmt: skip
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["global_step"] == 7
     assert summary["eval_metric"]["name"] == "accuracy" and set(summary["eval_metrics"]) == {"loss", "accuracy"}
@@ -190,11 +191,11 @@ def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_o
            "train.batch_size=2", f"train.global_batch_size={global_batch}", f"train.epochs={epochs}",
            "train.log_every=1", "checkpoint.every_steps=2", "data.trace=true")  # fmt: skip
     run_dir = tmp_path / "run"
-    first = preempt_agent_at(run_dir, 2, 1, *job)
+    first = preempt_agent_at(run_dir, 2, 1, *job, start_as="warm")
     second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job)
     assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < epochs * length // global_batch
     assert second["resumed_from"]["step"] == first["stopped_at_step"] and manifest_steps(run_dir)
-    run_job(run_dir, 3, *job)
+    run_job(run_dir, 3, *job, start="warm")
     final = read_summary(run_dir)
     steps = epochs * length // global_batch
     assert final["status"] == "completed" and final["world_size"] == 3
@@ -222,8 +223,8 @@ def test_a_tasks_state_is_kept_and_its_step_fn_logs_more_than_the_loss(tmp_path)
     resumed step), and ``step_fn`` may return ``(loss, {name: number})``: each number's world mean is logged."""
     run_dir = tmp_path / "run"
     job = ("task=own_step_tasks:lm_with_state", "train.log_every=1", "train.batch_size=4", "train.epochs=5")
-    run_job(run_dir, 1, *job, "train.max_steps=3")
-    done = run_job(run_dir, 1, *job, "train.max_steps=6")
+    run_job(run_dir, 1, *job, "train.max_steps=3", start="alone")
+    done = run_job(run_dir, 1, *job, "train.max_steps=6", start="alone")
     summary = read_summary(run_dir)
     assert summary["resumed_from"]["step"] == 3 and summary["global_step"] == 6
     assert summary["logged"]["counted"] == 6.0  # 3 before the resume, restored, then 3 more
@@ -238,9 +239,9 @@ def test_a_tasks_stateful_torch_stream_is_sharded_over_ranks_and_workers_and_res
     constant LR: a cosine over 4 steps is another schedule than over 8)."""
     job = ("task=stream_tasks:numbers", "train.batch_size=4", "data.num_workers=2", "train.log_every=1",
            "train.lr_schedule=constant")  # fmt: skip
-    run_job(tmp_path / "straight", 2, *job, "train.max_steps=8")
-    run_job(tmp_path / "run", 2, *job, "train.max_steps=4")
-    run_job(tmp_path / "run", 2, *job, "train.max_steps=8")
+    run_job(tmp_path / "straight", 2, *job, "train.max_steps=8", start="warm")
+    run_job(tmp_path / "run", 2, *job, "train.max_steps=4", start="warm")
+    run_job(tmp_path / "run", 2, *job, "train.max_steps=8", start="warm")
     straight, resumed = read_summary(tmp_path / "straight"), read_summary(tmp_path / "run")
     assert resumed["resumed_from"]["step"] == 4 and resumed["global_step"] == straight["global_step"] == 8
     assert resumed["model_digest"] == straight["model_digest"]

@@ -1,4 +1,8 @@
-"""Real torchrun jobs on CPU/gloo: built-in tasks, determinism, DDP and SyncBN equivalence, errors."""
+"""Real torchrun jobs on CPU/gloo: built-in tasks, determinism, DDP and SyncBN equivalence, errors.
+
+None of them is about how a worker starts: the jobs of 2 or 3 processes run under ``ddp-service launch`` (torchrun's
+agent, its workers forked from a fork server that imported torch once: conftest.STARTS), the single-rank ones as a
+world of one without a launcher."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, 
     run_dir = tmp_path / "run"
     batch, epochs = 8, 2
     run_job(run_dir, 2, f"task={task}", f"train.batch_size={batch}", f"train.epochs={epochs}",
-            "metrics.tensorboard=true", "checkpoint.every_steps=10", "checkpoint.keep=2")  # fmt: skip
+            "metrics.tensorboard=true", "checkpoint.every_steps=10", "checkpoint.keep=2", start="warm")  # fmt: skip
     summary = read_summary(run_dir)
     steps_per_epoch = math.ceil(train_size / (2 * batch))  # the global batch is 2 ranks x 8
     assert summary["world_size"] == 2 and summary["restarts"] == 0
@@ -56,10 +60,10 @@ def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, 
 def test_same_config_gives_same_model_digest(tmp_path):
     digests = []
     for name in ("a", "b"):
-        run_job(tmp_path / name, 2, "train.max_steps=12")
+        run_job(tmp_path / name, 2, "train.max_steps=12", start="warm")
         digests.append(read_summary(tmp_path / name)["model_digest"])
     assert digests[0] == digests[1]
-    run_job(tmp_path / "c", 2, "train.max_steps=12", "seed=1")
+    run_job(tmp_path / "c", 2, "train.max_steps=12", "seed=1", start="warm")
     assert read_summary(tmp_path / "c")["model_digest"] != digests[0]
 
 
@@ -69,9 +73,9 @@ STEPS20 = ("train.max_steps=20", "checkpoint.every_steps=20")
 def test_ddp_two_ranks_match_one_rank_with_double_batch(tmp_path):
     """No BatchNorm: DDP's gradient average over 2 × b is the gradient of one batch of 2b."""
     common = ("task=digits-classification", "task_options.batchnorm=false", *STEPS20)
-    run_job(tmp_path / "two", 2, *common, "train.batch_size=4")
-    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")
-    run_job(tmp_path / "accum", 2, *common, "train.batch_size=2", "train.grad_accum=2")
+    run_job(tmp_path / "two", 2, *common, "train.batch_size=4", start="warm")
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8", start="alone")
+    run_job(tmp_path / "accum", 2, *common, "train.batch_size=2", "train.grad_accum=2", start="warm")
     one = final_weights(tmp_path / "one")
     assert_same_weights(final_weights(tmp_path / "two"), one)
     # Accumulation with no_sync on all but the last micro-step keeps the same global batch.
@@ -80,9 +84,9 @@ def test_ddp_two_ranks_match_one_rank_with_double_batch(tmp_path):
 
 def test_syncbn_two_cpu_ranks_match_one_rank_plain_batchnorm(tmp_path):
     common = ("task=shapes-segmentation", *STEPS20)
-    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4")  # sync_batchnorm: auto → on
-    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")  # world of 1 → plain BatchNorm
-    run_job(tmp_path / "local", 2, *common, "train.batch_size=4", "train.sync_batchnorm=off")
+    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4", start="warm")  # sync_batchnorm: auto → on
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8", start="alone")  # world of 1 → plain BatchNorm
+    run_job(tmp_path / "local", 2, *common, "train.batch_size=4", "train.sync_batchnorm=off", start="warm")
     one = final_weights(tmp_path / "one")
     assert_same_weights(final_weights(tmp_path / "sync"), one)
     # The control: per-rank BatchNorm statistics do drift away from the single-rank run.
@@ -90,7 +94,7 @@ def test_syncbn_two_cpu_ranks_match_one_rank_plain_batchnorm(tmp_path):
 
 
 def test_inplace_error_is_reraised_with_the_hint(tmp_path):
-    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:inplace_activation", expect_ok=False)
+    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:inplace_activation", expect_ok=False, start="warm")
     assert proc.returncode != 0
     assert "modified by an inplace operation" in proc.stdout
     assert "ddp.broadcast_buffers" in proc.stdout and "InplaceGradientError" in proc.stdout
@@ -99,7 +103,9 @@ def test_inplace_error_is_reraised_with_the_hint(tmp_path):
 def test_a_parameter_the_loss_does_not_use_fails_naming_ddp_find_unused_parameters(tmp_path):
     """Issue 24: torch's "Expected to have finished reduction in the prior iteration" came alone; the config key
     that fixes it, and its cost, were named nowhere."""
-    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:unused_parameters", "train.max_steps=3", expect_ok=False)
+    proc = run_job(
+        tmp_path / "run", 2, "task=bad_tasks:unused_parameters", "train.max_steps=3", start="warm", expect_ok=False
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Expected to have finished reduction in the prior iteration" in proc.stdout
     assert "UnusedParametersError" in proc.stdout and "--set ddp.find_unused_parameters=true" in proc.stdout
@@ -107,13 +113,13 @@ def test_a_parameter_the_loss_does_not_use_fails_naming_ddp_find_unused_paramete
 
 
 def test_task_returning_wrong_type_is_named(tmp_path):
-    proc = run_job(tmp_path / "run", 1, "task=bad_tasks:not_a_task", expect_ok=False)
+    proc = run_job(tmp_path / "run", 1, "task=bad_tasks:not_a_task", expect_ok=False, start="alone")
     assert proc.returncode != 0 and "returned dict, not service.tasks.base.Task" in proc.stdout
 
 
 def test_bring_your_own_task_from_module_function(tmp_path):
     run_dir = tmp_path / "run"
-    run_job(run_dir, 2, "train.epochs=4", config=str(REPO / "examples" / "byo.yaml"),
+    run_job(run_dir, 2, "train.epochs=4", config=str(REPO / "examples" / "byo.yaml"), start="warm",
             PYTHONPATH=f"{REPO}:{REPO / 'examples'}")  # fmt: skip
     summary = read_summary(run_dir)
     assert summary["task"] == "my_task:build" and summary["world_size"] == 2
@@ -123,8 +129,8 @@ def test_bring_your_own_task_from_module_function(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch's SyncBatchNorm over NCCL needs 2 CUDA devices")
 def test_syncbn_on_cuda_matches_one_rank_plain_batchnorm(tmp_path):
     common = ("task=shapes-segmentation", *STEPS20, "train.amp=off")
-    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4")
-    run_job(tmp_path / "one", 1, *common, "train.batch_size=8")
+    run_job(tmp_path / "sync", 2, *common, "train.batch_size=4", start="warm")
+    run_job(tmp_path / "one", 1, *common, "train.batch_size=8", start="alone")
     assert read_summary(tmp_path / "sync")["device"] == "cuda"
     assert_same_weights(final_weights(tmp_path / "sync"), final_weights(tmp_path / "one"), rtol=1e-4, atol=1e-5)
 

@@ -50,7 +50,7 @@ def test_a_sigstopped_rank_is_named_the_world_restarts_and_ends_bit_exact(tmp_pa
     job = (*SLOW, "train.max_steps=20", "train.epochs=10", "checkpoint.every_steps=1000", "task_options.sleep=0.04",
            "task_options.dropout=0.2", f"dist.hang_timeout_seconds={HANG_TIMEOUT}",
            "checkpoint.snapshot_every=1")  # fmt: skip
-    run_job(tmp_path / "straight", 2, *job)
+    run_job(tmp_path / "straight", 2, *job, start="warm")  # the reference; the hung run's restart is cold
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "hung"

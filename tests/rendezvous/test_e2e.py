@@ -35,6 +35,11 @@ pytestmark = pytest.mark.e2e
 
 SMOKE = [str(REPO / "tests" / "scripts" / "allreduce_smoke.py")]
 AgentFactory = Callable[..., Agent]
+# Agents under `ddp-service launch` (warm=True: the same torchrun agent, its workers forked from a fork server that
+# imported torch once; a restart is a fork, not an interpreter importing torch again) where the test is about the
+# rendezvous, the resume or the lineage, not the start. Cold (torchrun) stay: the plain script, the node loss whose
+# recovery time of a cold restart is bounded (test_b), the failed start, and the tests with a gated agent (c, c2,
+# d3): a gated agent is a cold one, and every agent of a run id must run the same command (the job's identity).
 
 
 def summary(run_dir: Path) -> dict:
@@ -102,8 +107,8 @@ def test_a_two_agents_two_procs_make_a_world_of_four(
 ) -> None:
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 3)
-    a = agents("127.0.0.2", etcd_server.endpoint, "2", 2, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "2", 2, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "2", 2, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "2", 2, job, warm=True)
     for agent in (a, b):
         assert_ok(agent, 120)
     result = summary(run_dir)
@@ -196,8 +201,8 @@ def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 24, *fixed_batch(32, 8, 128, every_steps=1000), *slow_task(0.03), "--set",
                      "data.trace=true", *EVERY_STEP)  # fmt: skip
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job, warm=True)
     for agent in (a, b):
         agent.wait_for(r"\[rank [0-3]\] INFO step 6/", 120)
     victim, survivor, killed_at = kill_rank0_node(a, b)
@@ -231,8 +236,8 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05), "--set",
                      "checkpoint.resume=never", *EVERY_STEP)  # fmt: skip
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
     for agent in (a, b):
         agent.wait_for(r"\[rank [01]\] INFO step 4/", 120)
     victim, survivor, _ = kill_rank0_node(a, b)
@@ -260,8 +265,8 @@ def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
     """
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 40)
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
     a.wait_for(r"\[rank [01]\].*\bstep 2\b", 120)
     b.wait_for(r"\[rank [01]\].*\bstep 2\b", 30)
     os.kill(worker_pids(b.proc.pid)[0], signal.SIGKILL)
@@ -346,8 +351,8 @@ def test_d_losing_an_etcd_member_mid_run_is_survived(
     job = train_args(run_dir, 60)
     # The clients use the first listed member, which the test then kills.
     endpoints = etcd_cluster.endpoints
-    a = agents("127.0.0.2", endpoints, "1:2", 1, job)
-    b = agents("127.0.0.3", endpoints, "1:2", 1, job)
+    a = agents("127.0.0.2", endpoints, "1:2", 1, job, warm=True)
+    b = agents("127.0.0.3", endpoints, "1:2", 1, job, warm=True)
     a.wait_for(r"\[rank [01]\].*\bstep 2\b", 120)
     etcd_cluster.members[0].kill()
     time.sleep(2)  # the agents poll etcd ~10 times a second meanwhile
@@ -374,8 +379,8 @@ def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
     max_steps = 40  # ends mid-epoch (30 steps an epoch)
     # 8 samples a step: 1 micro-step of 4 on each of 2 ranks, then 2 on the one left.
     job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240))
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
     for agent in (a, b):
         agent.wait_for(r"\[rank [01]\] INFO step 3/", 120)
     rank0_node, other_node = (a, b) if "[rank 0]" in a.log() else (b, a)
@@ -470,8 +475,8 @@ def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survive
     secret.write_text("a-secret-of-the-test-" + run_id + "\n")
     run_dir, steps, conf = tmp_path / "run", 80, f"secret_file={secret}"
     job = train_args(run_dir, steps, *slow_task(0.1), "--set", "checkpoint.every_steps=5")
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf)
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
     a.wait_for(r"\[rank 0\] INFO step 3/", 120)
     base = f"/torchelastic/etcd3/{run_id}/rdzv/"
     etcdctl(etcd_server.endpoint, "put", base + "rounds/000000000099/evil", "x")
