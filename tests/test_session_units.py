@@ -389,3 +389,38 @@ def test_a_peer_went_on_once_its_record_counts_the_step_left_at_and_it_did_not_l
     message = Left(3, [1], False, [0]).message()
     assert message.startswith("rank(s) 1 left the loop after step 3") and "rank(s) 0 went on" in message
     assert "train.max_steps" in message
+
+
+# --- issue 38: the step boundary's own cost, without a behaviour lost -----------------------------------------------
+
+
+def test_the_boundary_tells_the_sinks_of_a_checkpoint_stall_only_at_steps_with_a_save_due():
+    """A step with neither a checkpoint nor a snapshot due holds the thread for no save: no stall to add up (the
+    goodput ledger's checkpoint time, a fan-out over every sink at every step before)."""
+    rt, calls = loop_stub(total_steps=6)
+    rt.save_due.side_effect = lambda step: calls.append(("save_due", step)) or step % 3 == 0
+    stalls: list[float] = []
+    rt.roles.sink.on_checkpoint_stall.side_effect = stalls.append
+    assert len(list(steps(rt, map_feed(), Hooks()))) == 6
+    assert [step for name, step in calls if name == "save_due"] == [1, 2, 3, 4, 5, 6]
+    assert len(stalls) == 2 and all(seconds >= 0 for seconds in stalls)
+
+
+def test_the_steps_seed_gives_the_states_random_numpy_and_torch_give_for_that_seed():
+    """seed_step seeds ``random`` without its Python wrapper: the same state (gauss's cached draw dropped too) as
+    ``random.seed``, numpy's and torch's as their own seed calls give."""
+    import random
+
+    import numpy as np
+
+    from service.loop.stepping import seed_step, step_seed
+
+    def draws() -> tuple[Any, ...]:
+        return random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(()).item()
+
+    value = step_seed(3, 17, 1)
+    random.seed(value), np.random.seed(value), torch.manual_seed(value)  # type: ignore[func-returns-value]
+    expected = draws()
+    random.gauss(0, 1)  # leaves a cached second draw behind, which the seed must drop
+    seed_step(3, 17, 1, torch.device("cpu"))
+    assert draws() == expected

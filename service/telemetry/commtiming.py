@@ -11,7 +11,8 @@ buffer broadcast comes first, which is the default.
 
 * :class:`AllreduceTimer` times the gradient all-reduce (a DDP comm hook).
 * :class:`WaitClock` sums the other collectives of a step: DDP's pre-forward
-  work (the buffer broadcast), timed by two forward pre-hooks, and the CPU
+  work (the buffer broadcast), timed by the service's DDP wrapper (two forward
+  pre-hooks on another DDP model), and the CPU
   SyncBatchNorm's all-reduces (``service.loop.syncbn``), timed around each call.
 
 On NCCL the host does not block in a collective (the work is queued on a CUDA
@@ -126,9 +127,13 @@ def instrument(model: Any, allreduce: AllreduceTimer | None, waits: WaitClock | 
     if allreduce is not None:
         model.register_comm_hook(None, allreduce.hook)
     if waits is not None:
-        pre_forward = _PreForwardTimer(waits)
-        model.register_forward_pre_hook(pre_forward.enter)
-        model.module.register_forward_pre_hook(pre_forward.leave)
+        timed_by_itself = getattr(model, "time_pre_forward", None)
+        if callable(timed_by_itself):  # the service's DDP times its pre-forward itself: no hooks
+            timed_by_itself(waits.add)
+        else:
+            pre_forward = _PreForwardTimer(waits)
+            model.register_forward_pre_hook(pre_forward.enter)
+            model.module.register_forward_pre_hook(pre_forward.leave)
         for module in model.modules():
             if hasattr(module, "wait_clock"):  # a layer that times its own collectives (loop.syncbn)
                 setattr(module, "wait_clock", waits)  # noqa: B010 (any module with that slot, not one class)
