@@ -451,7 +451,10 @@ def report(world: int, results: dict[str, dict]) -> None:
         extra = statistics.median(per_run(job["rows"], door, "thread", "bare"))
         writes = statistics.median(per_run(job["rows"], door, "writes"))
         bare = statistics.median(per_run(job["rows"], "bare", "wall")) / 1e3
-        over.append(f"{door} {extra:+.0f} µs, {extra - writes:+.0f} between writes (bare step {bare:.2f} ms)")
+        walls = zip(per_run(job["rows"], "bare", "wall"), per_run(job["rows"], door, "wall"), strict=True)
+        ratio = statistics.median(bare_wall / door_wall for bare_wall, door_wall in walls)
+        over.append(f"{door} {extra:+.0f} µs, {extra - writes:+.0f} between writes, wall {ratio:.3f} of bare's "
+                    f"(bare step {bare:.2f} ms)")  # fmt: skip
     print(f"boundary world {world} on {device}: main-thread CPU per step over bare: {', '.join(over)}")
 
 

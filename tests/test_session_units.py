@@ -424,3 +424,20 @@ def test_the_steps_seed_gives_the_states_random_numpy_and_torch_give_for_that_se
     random.gauss(0, 1)  # leaves a cached second draw behind, which the seed must drop
     seed_step(3, 17, 1, torch.device("cpu"))
     assert draws() == expected
+
+
+@given(st.integers(1, 9000), st.integers(1, 40), st.integers(1, 4), st.integers(1, 3), st.integers(0, 5000))
+def test_a_plan_read_through_blocks_of_the_order_is_the_plan_read_from_the_tensor(length, batch, world, micro, at):
+    """Issue 38: the steps of an epoch slice its order from a block of Python ints, not the tensor (4 µs a step):
+    every step's plan is the same, across block edges and at the epoch's end."""
+    from service.loop.sampler import Blocks, DataPlan
+
+    plan = DataPlan(length, 3, batch * world, world, world - 1, micro, tail="fill")
+    order = epoch_order(length, 3, 1)
+    cursor = min(at, length) // plan.global_batch * plan.global_batch
+    starts = range(cursor, plan.end, plan.global_batch)
+    expected = [plan.step(order, 1, start) for start in starts]
+    assert list(plan.steps(1, cursor)) == expected
+    small = Blocks(order)
+    small.BLOCK = 7  # many block edges, some inside a step
+    assert [plan.step(small, 1, start) for start in starts] == expected

@@ -152,15 +152,17 @@ def _epoch(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks) -> Generator[F
 
 def count_step(rt: Runtime, fed: Fed, started: float, fetched: float) -> None:
     """The step is done: count it, move the data position, tell the sinks and the trace."""
-    state = rt.state
+    state, plan = rt.state, fed.plan
     state.global_step += 1
-    rt.progress.stepped(state.global_step, time.perf_counter() - started)
-    state.cursor = fed.plan.end
-    state.samples_seen += fed.plan.size
-    reals = sum(part.real for part in fed.plan.micro)
+    seconds = time.perf_counter() - started
+    rt.progress.stepped(state.global_step, seconds)
+    state.cursor = plan.end
+    state.samples_seen += plan.size
+    micro = plan.micro
+    reals = micro[0].real if len(micro) == 1 else sum(part.real for part in micro)
     rt.window.step(reals)
-    rt.roles.sink.on_step(reals, time.perf_counter() - started, fetched - started, fed.tokens)
-    rt.roles.trace.record(fed.plan, state.global_step)
+    rt.roles.sink.on_step(reals, seconds, fetched - started, fed.tokens)
+    rt.roles.trace.record(plan, state.global_step)
     rt.startup.mark("first_step")
 
 

@@ -45,6 +45,7 @@ class AllreduceTimer:
         self._lock = threading.Lock()
         self._first: float | None = None
         self._last: float | None = None
+        self._group: Any = None  # the default group, once a hook call needed it
 
     def hook(self, process_group, bucket):  # noqa: ANN001, ANN201
         """torch's ``allreduce_hook`` (divide, all-reduce, take the value) with one timing callback.
@@ -54,15 +55,16 @@ class AllreduceTimer:
         ``dist.all_reduce`` and ``dist.get_world_size`` (their argument checks, in Python) doubled the hook's CPU,
         44 µs a step against 20 µs now over the built-in's (``bench/boundary.py``, docs/resume.md).
         """
-        import torch.distributed as dist
-
         started = time.perf_counter()
-        with self._lock:
-            if self._first is None:
-                self._first = started
-        group = dist.group.WORLD if process_group is None else process_group  # None: the default group
+        if self._first is None:  # set on the thread that runs backward, read by take() after backward returned
+            self._first = started
+        group = self._group if process_group is None else process_group
         if group is None:
-            raise RuntimeError("The all-reduce timing hook needs a process group: call it from DDP, which has one.")
+            import torch.distributed as dist
+
+            group = self._group = dist.group.WORLD  # None: the default group
+            if group is None:
+                raise RuntimeError("The all-reduce timing hook needs a process group: call it from DDP, which has one.")
         tensor = bucket.buffer()
         tensor.div_(group.size())
         return group.allreduce([tensor]).get_future().then(self._done)
