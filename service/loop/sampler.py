@@ -150,7 +150,8 @@ class Blocks:
     BLOCK = 4096  # samples read at once
 
     def __init__(self, order: torch.Tensor) -> None:
-        self.order, self.first, self.items = order, 0, []
+        self.order, self.first = order, 0
+        self.items: list[int] = []
 
     def take(self, start: int, stop: int) -> list[int]:
         """``order[start:stop]`` as a list."""
