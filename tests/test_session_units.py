@@ -14,7 +14,7 @@ from unittest.mock import MagicMock
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -441,3 +441,25 @@ def test_a_plan_read_through_blocks_of_the_order_is_the_plan_read_from_the_tenso
     small = Blocks(order)
     small.BLOCK = 7  # many block edges, some inside a step
     assert [plan.step(small, 1, start) for start in starts] == expected
+
+
+@given(norms=st.lists(st.sampled_from([1.0, float("inf"), float("nan")]), min_size=1, max_size=150),
+       read_at=st.integers(0, 149))  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_the_guard_records_the_first_non_finite_step_whenever_it_is_read(tmp_path_factory, norms, read_at):
+    """Issue 38: the guard (``train.nonfinite=stop``) keeps each step's norm and folds them into its device record
+    when it is read (a check, a snapshot's state) or every 64 steps, not four device ops a step: the record is
+    still the first step whose gradient norm was inf or nan, at any step it is read."""
+    from service.loop import nonfinite
+
+    guard = nonfinite.NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path_factory.mktemp("c"), (), 10**6)
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    for step, norm in enumerate(norms, 1):
+        weight.grad = torch.tensor([norm])
+        guard.step([weight], optimizer, step)
+        if step == read_at:
+            bad = [at for at, value in enumerate(norms[:step], 1) if value != 1.0]
+            assert int(guard.first_bad) == (bad[0] if bad else -1)
+    bad = [at for at, value in enumerate(norms, 1) if value != 1.0]
+    assert int(guard.first_bad) == (bad[0] if bad else -1)
