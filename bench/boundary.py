@@ -23,6 +23,11 @@ it are unprofiled.
     python bench/boundary.py [--steps 10000] [--runs 1] [--worlds 1,2] [--batch 1] [--width 1] [--layers 1]
                              [--doors task,session] [--set KEY=VALUE ...]
 
+Snapshot captures and periodic checkpoints are timed apart (``Writes``: main-thread CPU of each capture, and of
+each checkpoint at the steps one is due), and each door's line says its CPU over bare **between its writes**: at
+``auto`` a model this small is snapshotted at every step (its snapshot costs far under 0.5% of a step), and a
+checkpoint comes every 50 steps, so the boundary's own work is the total less those.
+
 ``--runs 5`` prints each figure's spread (min-max) over 5 runs. Where CUDA is available the service and the bare
 loop run on the GPU (NCCL), as ``make gpu-check`` does with a model and batch that make a step take 5-20 ms.
 """

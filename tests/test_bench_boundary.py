@@ -51,3 +51,10 @@ def test_a_short_run_prints_each_door_against_bare_and_every_item(tmp_path):
         assert task > 0 and session > 0, item
     assert float(rows["task step: non-finite guard, clip (bare clips too)"][0]) > 0
     assert re.search(r"^boundary world 2 on cpu: main-thread CPU per step over bare: task [+-]\d+ µs", out, re.M)
+    for door in ("task", "task -hook", "session"):  # the writes (snapshot captures, checkpoints) timed apart
+        assert re.search(
+            rf"^\s+{re.escape(door)}: its writes \(rank 0: \d+ snapshot captures, \d+ checkpoints a run\) "
+            r"[\d.-]+.* µs per step of main-thread CPU; over bare between its writes: [\d.-]+",
+            out,
+            re.M,
+        ), door
