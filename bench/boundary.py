@@ -23,6 +23,11 @@ it are unprofiled.
     python bench/boundary.py [--steps 10000] [--runs 1] [--worlds 1,2] [--batch 1] [--width 1] [--layers 1]
                              [--doors task,session] [--set KEY=VALUE ...]
 
+Snapshot captures and periodic checkpoints are timed apart (``Writes``: main-thread CPU of each capture, and of
+each checkpoint at the steps one is due), and each door's line says its CPU over bare **between its writes**: at
+``auto`` a model this small is snapshotted at every step (its snapshot costs far under 0.5% of a step), and a
+checkpoint comes every 50 steps, so the boundary's own work is the total less those.
+
 ``--runs 5`` prints each figure's spread (min-max) over 5 runs. Where CUDA is available the service and the bare
 loop run on the GPU (NCCL), as ``make gpu-check`` does with a model and batch that make a step take 5-20 ms.
 """
@@ -74,16 +79,51 @@ def mse(output, target):  # noqa: ANN001, ANN201 - tensors
     return torch.nn.functional.mse_loss(output, target)
 
 
-class Clock:
-    """Wall, main-thread CPU and process CPU seconds of one epoch, per step."""
+class Writes:
+    """A runtime's snapshot captures and checkpoint saves, timed on the main thread: the budget's "between their
+    writes" leaves them out. A capture is timed at every call (save_due calls it only when one is due); a periodic
+    checkpoint only at the steps it is due, so the steps between pay no clock read for it."""
 
-    def __init__(self, door: str, cuda: bool) -> None:
-        self.door, self.cuda, self.row = door, cuda, {}
+    def __init__(self, rt: Any) -> None:
+        self.seconds, self.snapshots, self.checkpoints = 0.0, 0, 0
+        snapshots, checkpointer = rt.roles.snapshots, rt.roles.checkpointer
+        capture, save, every = snapshots.capture, checkpointer.maybe_save, rt.config.checkpoint.every_steps
+
+        def timed_capture(step: int, state: Any) -> None:
+            began, skipped = time.thread_time(), getattr(snapshots, "skipped", 0)
+            capture(step, state)
+            self.seconds += time.thread_time() - began
+            self.snapshots += getattr(snapshots, "skipped", 0) == skipped  # not one skipped (one in flight)
+
+        def timed_save(step: int, state: Any) -> None:
+            if not every or step % every:
+                save(step, state)
+                return
+            began = time.thread_time()
+            save(step, state)
+            self.seconds += time.thread_time() - began
+            self.checkpoints += 1
+
+        snapshots.capture, checkpointer.maybe_save = timed_capture, timed_save
+
+    def take(self) -> tuple[float, int, int]:
+        taken = self.seconds, self.snapshots, self.checkpoints
+        self.seconds, self.snapshots, self.checkpoints = 0.0, 0, 0
+        return taken
+
+
+class Clock:
+    """Wall, main-thread CPU and process CPU seconds of one epoch, per step (and its writes' main-thread CPU)."""
+
+    def __init__(self, door: str, cuda: bool, writes: Writes | None = None) -> None:
+        self.door, self.cuda, self.row, self.writes = door, cuda, {}, writes
 
     def __enter__(self) -> Clock:
         import torch.distributed as dist
 
         dist.barrier()
+        if self.writes is not None:
+            self.writes.take()
         self.began = (time.perf_counter(), time.thread_time(), time.process_time())
         return self
 
@@ -94,6 +134,7 @@ class Clock:
             torch.cuda.synchronize()
         now = (time.perf_counter(), time.thread_time(), time.process_time())
         wall, thread, process = ((b - a) / max(steps, 1) for a, b in zip(self.began, now, strict=True))
+        writes, snapshots, checkpoints = self.writes.take() if self.writes is not None else (0.0, 0, 0)
         self.row = {
             "door": self.door,
             "cuda": self.cuda,
@@ -101,6 +142,9 @@ class Clock:
             "thread": thread,
             "process": process,
             "steps": steps,
+            "writes": writes / max(steps, 1),
+            "snapshots": snapshots,
+            "checkpoints": checkpoints,
         }
 
     def __exit__(self, *exc: object) -> None:
@@ -158,13 +202,14 @@ def overrides(args: argparse.Namespace, size: int, run_dir: str) -> list[str]:
             *args.set]  # fmt: skip
 
 
-def timed(doors: dict[str, Callable[[Clock], None]], runs: int, cuda: bool) -> list[dict]:
+def timed(doors: dict[str, Callable[[Clock], None]], runs: int, cuda: bool,
+          writes: dict[str, Writes] | None = None) -> list[dict]:  # fmt: skip
     """A warm-up epoch of each door, then ``runs`` of each in turn, the order flipped every run."""
     rows = []
     names = list(doors)
     for run in range(runs + 1):
         for name in names if run % 2 == 0 else names[::-1]:
-            with Clock(name, cuda) as clock:
+            with Clock(name, cuda, (writes or {}).get(name)) as clock:
                 doors[name](clock)
             if run:
                 rows.append({**clock.row, "run": run})
@@ -214,7 +259,9 @@ def task_job(args: argparse.Namespace, size: int, tmp: str) -> tuple[list[dict],
         def door(name: str) -> Callable[[Clock], None]:
             return lambda clock: clock.stop(task_epoch(opened[name], jobs[name], hooks[name]))
 
-        rows = timed({"bare": bare.run, "task": door("task"), "task -hook": door("task -hook")}, args.runs, cuda)
+        writes = {name: Writes(runtime) for name, runtime in opened.items()}
+        rows = timed({"bare": bare.run, "task": door("task"), "task -hook": door("task -hook")}, args.runs, cuda,
+                     writes)  # fmt: skip
         table = profiled(door("task"), cuda)
         bare.close()
     return rows, table
@@ -245,7 +292,7 @@ def session_job(args: argparse.Namespace, size: int, tmp: str) -> tuple[list[dic
                 count += 1
             clock.stop(count)
 
-        rows = timed({"bare": bare.run, "session": door}, args.runs, cuda)
+        rows = timed({"bare": bare.run, "session": door}, args.runs, cuda, {"session": Writes(s._rt)})
         table = profiled(door, cuda)
         bare.close()
         for _ in epochs:  # the session's remaining epochs: none run, the loop ends as a script's does
@@ -272,6 +319,12 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     "task step: its own code (train.py)": (("loop/train.py", "optimizer_step"),),
     "preemption check": (("state/preemption.py", "*"),),
     "save_due (checkpoint, snapshot)": (("loop/runtime.py", "save_due"),),
+    "writes: snapshot capture, checkpoint save": (
+        ("state/snapshot.py", "capture"),
+        ("state/checkpoint.py", "maybe_save"),
+        ("bench/boundary.py", "timed_capture"),
+        ("bench/boundary.py", "timed_save"),
+    ),  # fmt: skip
     "comm hook (main thread part)": (("telemetry/commtiming.py", "*"),),
     "data path (plan, collate, to device)": (
         ("loop/feeds.py", "*"),
@@ -311,6 +364,8 @@ def items(stats: pstats.Stats, steps: int) -> dict[str, float]:
             path = where.split("/service/", 1)[1]
         elif "/torch/" in where:
             path = "torch/" + where.rsplit("/torch/", 1)[1]
+        elif where.endswith("/bench/boundary.py"):
+            path = "bench/boundary.py"  # the Writes timers around the writes
         else:
             return None
         owner = classes.get((filename, str(line)))
@@ -366,6 +421,16 @@ def report(world: int, results: dict[str, dict]) -> None:
             over = spread(per_run(rows, door, "thread", "bare")) if door != "bare" else ""
             cells = (spread(per_run(rows, door, key)) for key in ("wall", "thread", "process"))
             print(f"{door:<12}" + "".join(f"{cell:>24}" for cell in cells) + f"{over:>24}")
+        for door in doors:
+            if door == "bare":
+                continue
+            writes = per_run(rows, door, "writes")
+            between = [over - write for over, write in zip(per_run(rows, door, "thread", "bare"), writes, strict=True)]
+            snapshots = statistics.median(row["snapshots"] for row in rows if row["door"] == door)
+            checkpoints = statistics.median(row["checkpoints"] for row in rows if row["door"] == door)
+            print(f"{'':<12}{door}: its writes (rank 0: {snapshots:.0f} snapshot captures, {checkpoints:.0f} "
+                  f"checkpoints a run) {spread(writes).strip()} µs per step of main-thread CPU; over bare between "
+                  f"its writes: {spread(between).strip()} µs per step")  # fmt: skip
         if "task -hook" in doors:
             hook = spread(per_run(rows, "task", "process", "task -hook")).strip()
             print(f"{'':<12}metrics.allreduce_timing (the comm hook, DDP's pre-forward timers, two histograms), "
@@ -389,8 +454,12 @@ def report(world: int, results: dict[str, dict]) -> None:
     over = []
     for door, job in results.items():
         extra = statistics.median(per_run(job["rows"], door, "thread", "bare"))
+        writes = statistics.median(per_run(job["rows"], door, "writes"))
         bare = statistics.median(per_run(job["rows"], "bare", "wall")) / 1e3
-        over.append(f"{door} {extra:+.0f} µs (bare step {bare:.2f} ms)")
+        walls = zip(per_run(job["rows"], "bare", "wall"), per_run(job["rows"], door, "wall"), strict=True)
+        ratio = statistics.median(bare_wall / door_wall for bare_wall, door_wall in walls)
+        over.append(f"{door} {extra:+.0f} µs, {extra - writes:+.0f} between writes, wall {ratio:.3f} of bare's "
+                    f"(bare step {bare:.2f} ms)")  # fmt: skip
     print(f"boundary world {world} on {device}: main-thread CPU per step over bare: {', '.join(over)}")
 
 

@@ -22,7 +22,9 @@ others, and rows that would start after ``--budget`` seconds say so. Rows:
 * ``bench/overhead.py`` (built-in and ``step_fn`` task), ``bench/checkpoint.py``: short runs, their headline figure;
 * ``bench/boundary.py``: the bare loop, the task loop and a Session's loop on the device at world 1 (8 x
   Linear(4096, 4096), batch 512: a step of about 5-20 ms on a current GPU), the main thread's CPU per step over
-  the bare loop's (the whole itemized table is in its log); ``--only boundary`` runs it alone in about 2 minutes.
+  the bare loop's, and their wall time against the bare loop's (the whole itemized table is in its log);
+  ``--only boundary`` runs it alone in about 2 minutes; with ``--without-cuda`` on a machine without CUDA it
+  rehearses on the CPU at a CPU's size (2 x Linear(64, 64), batch 8).
 
 Results: ``pass``, ``FAIL``, ``info`` (an outcome to record, neither), ``skip``. Exit 0 unless a row failed
 (1); on a machine without CUDA every row is a quick ``skip`` and the exit is 0. Each row's full output is
@@ -63,9 +65,10 @@ class Row:
 class Check:
     """What rows share: the log directory, the time left, and a subprocess runner with a limit."""
 
-    def __init__(self, log_dir: Path, budget: float) -> None:
+    def __init__(self, log_dir: Path, budget: float, rehearsal: bool = False) -> None:
         self.log_dir = log_dir
         self.deadline = time.monotonic() + budget
+        self.rehearsal = rehearsal  # --without-cuda on a machine without CUDA: the benches at a CPU's size
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -295,9 +298,14 @@ def service_two_ranks(check: Check) -> tuple[str, str]:
     return "info", f"refused ({how}): {last_line(output)}"
 
 
-def bench(script: str, args: list[str], pattern: str, timeout: float) -> Callable[[Check], tuple[str, str]]:
+def bench(script: str, args: list[str], pattern: str, timeout: float,
+          rehearsal: list[str] | None = None) -> Callable[[Check], tuple[str, str]]:  # fmt: skip
+    """A bench's row: its headline line; ``rehearsal``: its arguments in a rehearsal on CPU (a size a CPU runs in
+    the row's time: the device's would take minutes a step)."""
+
     def row(check: Check) -> tuple[str, str]:
-        code, output = check.run(script, [sys.executable, script, *args], timeout)
+        used = rehearsal if check.rehearsal and rehearsal is not None else args
+        code, output = check.run(script, [sys.executable, script, *used], timeout)
         if failed := outcome(code, output, timeout):
             return failed
         found = re.search(pattern, output)
@@ -312,6 +320,7 @@ SNAPSHOT = r"snapshot on cuda: .* it holds the state of its step: yes"
 SHORT = ["--rounds", "1", "--epochs", "2"]
 BOUNDARY = r"boundary world 1 on \w+: .*"  # "... main-thread CPU per step over bare: task +412 µs (bare ...), ..."
 BOUNDARY_ARGS = ["--worlds", "1", "--steps", "300", "--width", "4096", "--layers", "8", "--batch", "512"]
+BOUNDARY_REHEARSAL = ["--worlds", "1", "--steps", "300", "--width", "64", "--layers", "2", "--batch", "8"]
 ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("cuda device", cuda_device),
     ("service imports", service_imports),
@@ -329,7 +338,7 @@ ROWS: list[tuple[str, Callable[[Check], tuple[str, str]]]] = [
     ("service 2 ranks / 1 GPU", service_two_ranks),
     ("bench/overhead.py", bench("bench/overhead.py", SHORT, OVERHEAD, 90)),
     ("bench/overhead.py step_fn", bench("bench/overhead.py", [*SHORT, "--task", "step_fn"], OVERHEAD, 90)),
-    ("bench/boundary.py", bench("bench/boundary.py", BOUNDARY_ARGS, BOUNDARY, 180)),
+    ("bench/boundary.py", bench("bench/boundary.py", BOUNDARY_ARGS, BOUNDARY, 180, BOUNDARY_REHEARSAL)),
     ("bench/checkpoint.py", bench("bench/checkpoint.py", ["--rounds", "1", "--layers", "1"], STALL, 120)),
 ]
 
@@ -363,15 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--without-cuda",
         action="store_true",
-        help="run the rows even without CUDA (a rehearsal of the script: rows needing CUDA fail)",
+        help="run the rows even without CUDA (a rehearsal of the script: rows needing CUDA fail; bench/boundary.py "
+        "runs at a CPU's size)",
     )
     args = parser.parse_args(argv)
     selected = [(name, fn) for name, fn in ROWS if not args.only or any(part in name for part in args.only)]
     if not selected:
         parser.error(f"--only {args.only} matches no row; the rows are: {', '.join(name for name, _ in ROWS)}")
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    check, rows = Check(args.log_dir, args.budget), []
-    has_cuda = args.without_cuda or cuda_available()
+    device = cuda_available()
+    check, rows = Check(args.log_dir, args.budget, rehearsal=args.without_cuda and not device), []
+    has_cuda = args.without_cuda or device
     for name, fn in selected:
         row = Row(name)
         if not has_cuda:

@@ -26,7 +26,8 @@ def test_every_item_of_the_bench_names_a_function_that_exists():
     torch_root = Path(torch.__file__).parent
     for item, patterns in boundary.ITEMS.items():
         for file, function in patterns:
-            path = torch_root.parent / file if file.startswith("torch/") else REPO / "service" / file
+            path = (torch_root.parent / file if file.startswith("torch/") else REPO / file if file.startswith("bench/")
+                    else REPO / "service" / file)  # fmt: skip
             assert path.is_file(), f"{item}: {path} is gone"
             if function != "*":
                 assert re.search(rf"^\s*(def|class) {function}\b", path.read_text(), re.M), f"{item}: {function}"
@@ -50,3 +51,10 @@ def test_a_short_run_prints_each_door_against_bare_and_every_item(tmp_path):
         assert task > 0 and session > 0, item
     assert float(rows["task step: non-finite guard, clip (bare clips too)"][0]) > 0
     assert re.search(r"^boundary world 2 on cpu: main-thread CPU per step over bare: task [+-]\d+ µs", out, re.M)
+    for door in ("task", "task -hook", "session"):  # the writes (snapshot captures, checkpoints) timed apart
+        assert re.search(
+            rf"^\s+{re.escape(door)}: its writes \(rank 0: \d+ snapshot captures, \d+ checkpoints a run\) "
+            r"[\d.-]+.* µs per step of main-thread CPU; over bare between its writes: [\d.-]+",
+            out,
+            re.M,
+        ), door

@@ -141,6 +141,26 @@ def test_the_window_adds_the_worlds_numbers_with_one_sum_and_keeps_its_own(monke
     assert gathers == [b'["loss"]'] and window.names == ["loss"]
 
 
+def test_a_detached_float_loss_is_logged_as_it_is_and_the_window_keeps_its_value_at_the_step():
+    """Issue 38: ``s.log(loss=loss.detach())`` each step: the tensor is taken as it is (no detach, reshape and float
+    copy per step: 4 µs), and the window still adds its value of that step, whatever the script does to the tensor
+    afterwards; a tensor with a graph, of another dtype or shape still goes through the checks and the copy."""
+    from service.loop.window import LogError, scalar
+
+    window = Window(torch.device("cpu"), lambda values: list(values), lambda payload: [payload])
+    running = torch.tensor(1.0)
+    assert scalar("loss", running) is running
+    for _ in range(3):
+        window.log("loss", scalar("loss", running))
+        running += 10.0  # a script's own running tensor, changed in place after it logged it
+    assert float(window.sums["loss"]) == 1.0 + 11.0 + 21.0 and window.counts["loss"] == 3
+    graph = torch.tensor(2.0, requires_grad=True) * 1.0
+    assert not scalar("loss", graph).requires_grad
+    assert scalar("loss", torch.tensor([3], dtype=torch.int64)).dtype == torch.float32
+    with pytest.raises(LogError, match="tensor of shape"):
+        scalar("loss", torch.zeros(2))
+
+
 def test_prometheus_and_tensorboard_get_the_ranks_own_numbers_not_the_worlds(tmp_path):
     world = WorldInfo("torchrun", rank=1, local_rank=1, world_size=2, local_world_size=2)
     prometheus = PrometheusSink("127.0.0.1", 0, world)

@@ -165,6 +165,95 @@ def test_calls_update_the_registry(sink):
     promtool_check(text)
 
 
+def test_a_step_updates_the_per_step_series_without_prometheus_clients_locked_calls(sink, monkeypatch):
+    """Issue 38: every step adds to plain numbers, read at the scrape (prometheus-client's ``inc`` and ``observe``
+    take a lock and check their argument at each call: 6 µs a step). The scrape's families are the same: the
+    bucket edges (a value on a bound counts under it), sums, counts and ``_created``."""
+    import prometheus_client.metrics as client
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a per-step update went through prometheus-client")
+
+    monkeypatch.setattr(client.Counter, "inc", refused)
+    monkeypatch.setattr(client.Histogram, "observe", refused)
+    for seconds in (0.001, 0.0011, 61.0):
+        sink.on_step(2, seconds, 0.0)
+    get = sink.registry.get_sample_value
+    assert get("ddp_train_steps_total", LABEL_VALUES) == 3 and get("ddp_train_samples_total", LABEL_VALUES) == 6
+    assert get("ddp_train_step_seconds_bucket", {**LABEL_VALUES, "le": "0.001"}) == 1
+    assert get("ddp_train_step_seconds_bucket", {**LABEL_VALUES, "le": "0.0025"}) == 2
+    assert get("ddp_train_step_seconds_bucket", {**LABEL_VALUES, "le": "60.0"}) == 2
+    assert get("ddp_train_step_seconds_bucket", {**LABEL_VALUES, "le": "+Inf"}) == 3
+    assert get("ddp_train_step_seconds_count", LABEL_VALUES) == 3
+    assert get("ddp_train_step_seconds_sum", LABEL_VALUES) == pytest.approx(61.0021)
+    assert 0 < time.time() - get("ddp_train_step_seconds_created", LABEL_VALUES) < 60
+    assert 0 < time.time() - get("ddp_train_steps_created", LABEL_VALUES) < 60
+
+
+def test_the_fan_out_calls_at_each_step_only_the_sinks_that_record_steps(tmp_path):
+    """Issue 38: a sink with the do-nothing ``on_step`` or ``on_checkpoint_stall`` is not called at every step; one
+    whose class or object replaces it is."""
+    from service.telemetry.metrics import FanOutSink, LogSink, MetricsSink, NullSink, TensorBoardSink
+
+    class Counting(MetricsSink):
+        def on_step(self, *args: object, **kwargs: object) -> None:
+            self.steps = getattr(self, "steps", 0) + 1
+
+    own = NullSink()
+    own.on_checkpoint_stall = lambda seconds: None  # type: ignore[method-assign]
+    counting, board = Counting(), TensorBoardSink(tmp_path / "tb")
+    try:
+        fan = FanOutSink([LogSink(), NullSink(), board, counting, own])
+        assert fan.stepping == (counting,) and fan.stalling == (own,)
+        fan.on_step(1, 0.1, 0.0)
+        assert counting.steps == 1
+    finally:
+        board.close()
+
+
+def test_a_log_line_is_formatted_only_where_it_prints(monkeypatch, caplog):
+    """Issue 38: every rank has a log sink, and the other ranks' lines are not printed (WARNING): their line is not
+    built either (format_step at each log step)."""
+    import logging
+
+    import service.telemetry.metrics as metrics
+
+    built: list[StepReport] = []
+    monkeypatch.setattr(metrics, "format_step", lambda report, own=False: built.append(report) or "a line")
+    logger = logging.getLogger("service.loop.train")
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    metrics.LogSink().on_report(REPORT)
+    assert built == []
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    with caplog.at_level(logging.INFO, logger="service.loop.train"):
+        metrics.LogSink().on_report(REPORT)
+    assert built == [REPORT] and "a line" in caplog.text
+
+
+def test_tensorboard_gets_a_reports_scalars_in_one_event(tmp_path):
+    """Issue 38: one event per log step (``add_scalar`` built one per scalar, 30 µs each), every scalar in it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from service.telemetry.metrics import TensorBoardSink
+
+    board = TensorBoardSink(tmp_path / "tb")
+    board.on_report(StepReport(4, 10, 0, 0.5, 0.01, 8, 100.0, 0.5, 200.0, 0.1, values={"loss": 0.5, "aux": 2.0}))
+    board.close()
+    (path,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    events = [event for event in EventFileLoader(str(path)).Load() if event.HasField("summary")]
+    assert len(events) == 1 and events[0].step == 4
+    assert sorted(value.tag for value in events[0].summary.value) == [
+        "train/aux", "train/loss", "train/lr", "train/rank_samples_per_second"]  # fmt: skip
+    read = EventAccumulator(str(tmp_path / "tb"))
+    read.Reload()
+    assert [(e.step, e.value) for e in read.Scalars("train/aux")] == [(4, 2.0)]
+
+
+REPORT = StepReport(2, 10, 1, 0.5, 0.01, 14, 123.0, world_loss=0.75, world_samples_per_second=500.0,
+                    seconds_per_step=0.1)  # fmt: skip
+
+
 def test_run_id_is_none_without_one():
     sink = PrometheusSink("127.0.0.1", 0, WorldInfo("none"))
     try:
@@ -261,19 +350,25 @@ class CountingClock(WaitClock):
         super().add(seconds)
 
 
-def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_path: Path):
-    """A 1-process gloo group: DDP's pre-forward and both SyncBatchNorm all-reduces land on the wait clock."""
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "ServiceDDP"])
+def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_path: Path, wrapper: str):
+    """A 1-process gloo group: DDP's pre-forward and both SyncBatchNorm all-reduces land on the wait clock; the
+    service's own DDP times its pre-forward itself, with no forward hook (one would slow every forward)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+    from service.loop.wrapped import ServiceDDP
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-        model = DistributedDataParallel(convert_sync_batchnorm(net, "cpu"))
+        kind = ServiceDDP if wrapper == "ServiceDDP" else DistributedDataParallel
+        model = kind(convert_sync_batchnorm(net, "cpu"))
         allreduce, waits = AllreduceTimer(), CountingClock()
         instrument(model, allreduce, waits)
+        hooked = bool(model._forward_pre_hooks) or bool(model.module._forward_pre_hooks)
+        assert hooked == (kind is DistributedDataParallel)
         assert isinstance(model.module[1], AllReduceBatchNorm) and model.module[1].wait_clock is waits
         model(torch.randn(8, 4)).sum().backward()
         # DDP's pre-forward (the buffer broadcast), SyncBatchNorm's two all-reduces in forward and two in backward.

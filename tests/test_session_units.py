@@ -14,7 +14,7 @@ from unittest.mock import MagicMock
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -389,3 +389,77 @@ def test_a_peer_went_on_once_its_record_counts_the_step_left_at_and_it_did_not_l
     message = Left(3, [1], False, [0]).message()
     assert message.startswith("rank(s) 1 left the loop after step 3") and "rank(s) 0 went on" in message
     assert "train.max_steps" in message
+
+
+# --- issue 38: the step boundary's own cost, without a behaviour lost -----------------------------------------------
+
+
+def test_the_boundary_tells_the_sinks_of_a_checkpoint_stall_only_at_steps_with_a_save_due():
+    """A step with neither a checkpoint nor a snapshot due holds the thread for no save: no stall to add up (the
+    goodput ledger's checkpoint time, a fan-out over every sink at every step before)."""
+    rt, calls = loop_stub(total_steps=6)
+    rt.save_due.side_effect = lambda step: calls.append(("save_due", step)) or step % 3 == 0
+    stalls: list[float] = []
+    rt.roles.sink.on_checkpoint_stall.side_effect = stalls.append
+    assert len(list(steps(rt, map_feed(), Hooks()))) == 6
+    assert [step for name, step in calls if name == "save_due"] == [1, 2, 3, 4, 5, 6]
+    assert len(stalls) == 2 and all(seconds >= 0 for seconds in stalls)
+
+
+def test_the_steps_seed_gives_the_states_random_numpy_and_torch_give_for_that_seed():
+    """seed_step seeds ``random`` without its Python wrapper: the same state (gauss's cached draw dropped too) as
+    ``random.seed``, numpy's and torch's as their own seed calls give."""
+    import random
+
+    import numpy as np
+
+    from service.loop.stepping import seed_step, step_seed
+
+    def draws() -> tuple[Any, ...]:
+        return random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(()).item()
+
+    value = step_seed(3, 17, 1)
+    random.seed(value), np.random.seed(value), torch.manual_seed(value)  # type: ignore[func-returns-value]
+    expected = draws()
+    random.gauss(0, 1)  # leaves a cached second draw behind, which the seed must drop
+    seed_step(3, 17, 1, torch.device("cpu"))
+    assert draws() == expected
+
+
+@given(st.integers(1, 9000), st.integers(1, 40), st.integers(1, 4), st.integers(1, 3), st.integers(0, 5000))
+def test_a_plan_read_through_blocks_of_the_order_is_the_plan_read_from_the_tensor(length, batch, world, micro, at):
+    """Issue 38: the steps of an epoch slice its order from a block of Python ints, not the tensor (4 µs a step):
+    every step's plan is the same, across block edges and at the epoch's end."""
+    from service.loop.sampler import Blocks, DataPlan
+
+    plan = DataPlan(length, 3, batch * world, world, world - 1, micro, tail="fill")
+    order = epoch_order(length, 3, 1)
+    cursor = min(at, length) // plan.global_batch * plan.global_batch
+    starts = range(cursor, plan.end, plan.global_batch)
+    expected = [plan.step(order, 1, start) for start in starts]
+    assert list(plan.steps(1, cursor)) == expected
+    small = Blocks(order)
+    small.BLOCK = 7  # many block edges, some inside a step
+    assert [plan.step(small, 1, start) for start in starts] == expected
+
+
+@given(norms=st.lists(st.sampled_from([1.0, float("inf"), float("nan")]), min_size=1, max_size=150),
+       read_at=st.integers(0, 149))  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_the_guard_records_the_first_non_finite_step_whenever_it_is_read(tmp_path_factory, norms, read_at):
+    """Issue 38: the guard (``train.nonfinite=stop``) keeps each step's norm and folds them into its device record
+    when it is read (a check, a snapshot's state) or every 64 steps, not four device ops a step: the record is
+    still the first step whose gradient norm was inf or nan, at any step it is read."""
+    from service.loop import nonfinite
+
+    guard = nonfinite.NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path_factory.mktemp("c"), (), 10**6)
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    for step, norm in enumerate(norms, 1):
+        weight.grad = torch.tensor([norm])
+        guard.step([weight], optimizer, step)
+        if step == read_at:
+            bad = [at for at, value in enumerate(norms[:step], 1) if value != 1.0]
+            assert int(guard.first_bad) == (bad[0] if bad else -1)
+    bad = [at for at, value in enumerate(norms, 1) if value != 1.0]
+    assert int(guard.first_bad) == (bad[0] if bad else -1)

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import QUICK, REPO, child_env, read_summary, run_job
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from service.config import JobConfig
@@ -939,6 +939,7 @@ timings = st.integers(min_value=1, max_value=40_000).map(lambda k: k / 1000)  # 
        background=st.floats(min_value=0.0, max_value=50.0), max_seconds=st.floats(min_value=0.5, max_value=3600.0),
        prefix=st.lists(st.one_of(st.integers(0, 9).map(lambda k: k / 2**20),  # near-empty
                                  st.integers(1, 20)), max_size=3))  # fmt: skip
+@example(step=0.005, blocked=0.0, background=1.0, max_seconds=1.9, prefix=[])  # 380 x 0.005 > 1.9 in floats
 @settings(max_examples=60, deadline=None)
 def test_the_interval_never_exceeds_its_ceiling_and_a_skewed_start_changes_nothing(step, blocked, background,
                                                                                     max_seconds, prefix):  # fmt: skip

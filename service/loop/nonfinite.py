@@ -50,6 +50,8 @@ from service.state.checkpoint_io import candidate_steps, state_name
 
 log = logging.getLogger(__name__)
 
+FOLD = 64  # steps whose norms are kept before they are folded into the record (the checks come sooner by default)
+
 
 class NonfiniteError(RuntimeError):
     """A step's gradient norm was inf or nan under ``train.nonfinite: stop``."""
@@ -66,6 +68,7 @@ class NonfiniteGuard:
         self.last_step = last_step
         self.skipped = 0
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+        self._norms: list[tuple[int, Tensor]] = []  # (step, its gradient norm) not yet folded into _first_bad
         self._overflows_from: int | None = None  # the first of the steps the scaler skipped in a row
         self._detail = ""
         self.fix = "Lower train.lr, set train.grad_clip, or set train.nonfinite=skip to skip such steps"
@@ -88,15 +91,27 @@ class NonfiniteGuard:
             grads = [p.grad for p in params if p.grad is not None]
             # One fused (foreach) norm over all gradients, as clip_grad_norm_ computes it: not a kernel per tensor.
             norm = nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self._first_bad.device)
-        finite = torch.isfinite(norm)
         if self.policy == "skip" or self.precision.scaler is not None:
-            if not bool(finite):  # the one host sync per step that skipping costs
+            if not bool(torch.isfinite(norm)):  # the one host sync per step that skipping costs
                 self._skip(step, float(norm))
                 return
             self._overflows_from = None
-        else:
-            self._first_bad = torch.where(finite | (self._first_bad >= 0), self._first_bad, step)
+        else:  # recorded now, folded into the record when it is read (four device ops a step, before)
+            self._norms.append((step, norm))
+            if len(self._norms) >= FOLD:
+                self._fold()
         self.precision.step(optimizer)
+
+    def _fold(self) -> None:
+        """The recorded steps' norms into ``_first_bad``: the first step whose norm is not finite, if none before."""
+        if not self._norms:
+            return
+        steps, norms = zip(*self._norms, strict=True)
+        self._norms = []
+        bad = torch.tensor(steps, dtype=torch.int64).to(self._first_bad.device, non_blocking=True)
+        unset = torch.iinfo(torch.int64).max
+        first = torch.where(torch.isfinite(torch.stack(norms)), unset, bad).min()
+        self._first_bad = torch.where((self._first_bad >= 0) | (first == unset), self._first_bad, first)
 
     def _skip(self, step: int, norm: float) -> None:
         self.skipped += 1
@@ -110,7 +125,7 @@ class NonfiniteGuard:
         log.warning("step %d: the gradient norm is %s under train.amp=fp16; the gradient scaler skips its update "
                     "and lowers its scale from %g to %g (%d skipped so far)", step, norm, scale,
                     self.precision.scale, self.skipped)  # fmt: skip
-        if self.policy == "stop" and scale <= 1.0 and self._first_bad.item() < 0:
+        if self.policy == "stop" and scale <= 1.0 and self.first_bad.item() < 0:
             self._first_bad.fill_(self._overflows_from)
             self._detail = (f" Under train.amp=fp16 the gradient scaler skipped every step from {self._overflows_from}"
                             f" to {step} and lowered its scale to {scale:g}, where scaling cannot be what "
@@ -124,12 +139,13 @@ class NonfiniteGuard:
     @property
     def first_bad(self) -> Tensor:
         """The device record of the first non-finite step (-1: none yet), read without a host sync."""
+        self._fold()
         return self._first_bad
 
     def raise_if_bad(self) -> None:
         if self.policy != "stop":
             return
-        bad = int(self._first_bad.item())
+        bad = int(self.first_bad.item())
         if bad < 0:
             return
         good = [step for step in candidate_steps(self.checkpoints) if step < bad]

@@ -322,16 +322,19 @@ class Runtime:
             "versions": {"torch": str(torch.__version__), "service": __version__},
         }
 
-    def save_due(self, step: int) -> None:
+    def save_due(self, step: int) -> bool:
         """After a step: a periodic checkpoint and a snapshot when due (rank 0, each node's local rank 0). On every
-        rank at every step: the snapshot schedule agrees on its interval here once (``auto``)."""
+        rank at every step: the snapshot schedule agrees on its interval here once (``auto``). Whether either was
+        due (a save's time on this thread is then the sinks' checkpoint stall)."""
         every_steps = self.config.checkpoint.every_steps
         snapshot = self.snapshot_schedule.due(step)
-        if (every_steps and step % every_steps == 0) or snapshot:
+        due = snapshot or bool(every_steps and step % every_steps == 0)
+        if due:
             self.gather_own()
         self.roles.checkpointer.maybe_save(step, self.checkpoint_state)
         if snapshot:
             self.roles.snapshots.capture(step, lambda: self.checkpoint_state(checked=False))
+        return due
 
     # ------------------------------------------------------------------ the end
     def finish(self, status: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

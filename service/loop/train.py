@@ -154,7 +154,7 @@ def optimizer_step(job: Any, plan: StepPlan, micro_batches: list[Any], step: int
     the forward and backward of each micro-step on the progress record.
     """
     model, count, loss_of, progress = job.model, len(micro_batches), job.step.loss, job.progress
-    loss_sum = torch.zeros((), device=job.device)
+    loss_sum: Tensor | None = None  # in float32, the first micro-step's loss as it is (no zeros to add it to)
     for index, (batch, part) in enumerate(zip(micro_batches, plan.micro, strict=True)):
         batch = to_device(batch, job.device, non_blocking=True)
         last = index == count - 1
@@ -165,13 +165,13 @@ def optimizer_step(job: Any, plan: StepPlan, micro_batches: list[Any], step: int
                 if part.weight != 1.0:  # 1.0 for every micro-batch of a full step without accumulation
                     loss = loss * part.weight
             job.precision.backward(loss)  # scaled under fp16
-        loss_sum += loss.detach()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach()
     progress.mark(OPTIMIZER)
     job.roles.snapshots.before_update()  # the snapshot of the last step has copied the weights
     job.nonfinite.step(job.params, job.optimizer, step)  # clips; skips or records a nan step
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return loss_sum
+    return loss_sum if loss_sum is not None else torch.zeros((), device=job.device)
 
 
 @torch.no_grad()

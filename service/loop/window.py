@@ -31,6 +31,8 @@ class LogError(TypeError):
 
 def scalar(name: str, value: Any, call: str = "s.log") -> Tensor | float:
     """``value`` as a detached 0-d tensor or a float; :class:`LogError` for anything else."""
+    if type(value) is Tensor and value.dtype is torch.float32 and not value.requires_grad and not value.dim():
+        return value  # a detached float loss, the common case: as it is (the window copies it when it adds it)
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise LogError(

@@ -114,7 +114,10 @@ def ceiling_steps(max_seconds: float, typical_step: float | None) -> int:
     """The most steps one failure may lose: ``max_seconds`` of typical steps, at least 1, at most :data:`MOST`."""
     if typical_step is None or not typical_step > 0 or not math.isfinite(max_seconds):
         return MOST
-    return max(1, min(MOST, math.floor(max_seconds / typical_step)))
+    steps = max(1, min(MOST, math.floor(max_seconds / typical_step)))
+    while steps > 1 and steps * typical_step > max_seconds:  # the quotient's float rounding (1.9 / 0.005: 380)
+        steps -= 1
+    return steps
 
 
 def proposal_for(cost: float, step_time: float, typical_step: float | None = None,

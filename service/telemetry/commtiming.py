@@ -11,7 +11,8 @@ buffer broadcast comes first, which is the default.
 
 * :class:`AllreduceTimer` times the gradient all-reduce (a DDP comm hook).
 * :class:`WaitClock` sums the other collectives of a step: DDP's pre-forward
-  work (the buffer broadcast), timed by two forward pre-hooks, and the CPU
+  work (the buffer broadcast), timed by the service's DDP wrapper (two forward
+  pre-hooks on another DDP model), and the CPU
   SyncBatchNorm's all-reduces (``service.loop.syncbn``), timed around each call.
 
 On NCCL the host does not block in a collective (the work is queued on a CUDA
@@ -44,6 +45,7 @@ class AllreduceTimer:
         self._lock = threading.Lock()
         self._first: float | None = None
         self._last: float | None = None
+        self._group: Any = None  # the default group, once a hook call needed it
 
     def hook(self, process_group, bucket):  # noqa: ANN001, ANN201
         """torch's ``allreduce_hook`` (divide, all-reduce, take the value) with one timing callback.
@@ -53,15 +55,16 @@ class AllreduceTimer:
         ``dist.all_reduce`` and ``dist.get_world_size`` (their argument checks, in Python) doubled the hook's CPU,
         44 µs a step against 20 µs now over the built-in's (``bench/boundary.py``, docs/resume.md).
         """
-        import torch.distributed as dist
-
         started = time.perf_counter()
-        with self._lock:
-            if self._first is None:
-                self._first = started
-        group = dist.group.WORLD if process_group is None else process_group  # None: the default group
+        if self._first is None:  # set on the thread that runs backward, read by take() after backward returned
+            self._first = started
+        group = self._group if process_group is None else process_group
         if group is None:
-            raise RuntimeError("The all-reduce timing hook needs a process group: call it from DDP, which has one.")
+            import torch.distributed as dist
+
+            group = self._group = dist.group.WORLD  # None: the default group
+            if group is None:
+                raise RuntimeError("The all-reduce timing hook needs a process group: call it from DDP, which has one.")
         tensor = bucket.buffer()
         tensor.div_(group.size())
         return group.allreduce([tensor]).get_future().then(self._done)
@@ -126,9 +129,13 @@ def instrument(model: Any, allreduce: AllreduceTimer | None, waits: WaitClock | 
     if allreduce is not None:
         model.register_comm_hook(None, allreduce.hook)
     if waits is not None:
-        pre_forward = _PreForwardTimer(waits)
-        model.register_forward_pre_hook(pre_forward.enter)
-        model.module.register_forward_pre_hook(pre_forward.leave)
+        timed_by_itself = getattr(model, "time_pre_forward", None)
+        if callable(timed_by_itself):  # the service's DDP times its pre-forward itself: no hooks
+            timed_by_itself(waits.add)
+        else:
+            pre_forward = _PreForwardTimer(waits)
+            model.register_forward_pre_hook(pre_forward.enter)
+            model.module.register_forward_pre_hook(pre_forward.leave)
         for module in model.modules():
             if hasattr(module, "wait_clock"):  # a layer that times its own collectives (loop.syncbn)
                 setattr(module, "wait_clock", waits)  # noqa: B010 (any module with that slot, not one class)

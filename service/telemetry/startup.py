@@ -21,7 +21,8 @@ class StartupMarks:
     def mark(self, name: str, at: float | None = None) -> None:
         """``name`` ended now (or at ``at``); the first mark of a name stands (a later one is the same phase
         again: a second feed, a restarted epoch)."""
-        self.marks.setdefault(name, time.time() if at is None else at)
+        if name not in self.marks:  # the loop marks its first batch and step at every step: no clock read then
+            self.marks[name] = time.time() if at is None else at
 
     def as_dict(self) -> dict[str, object]:
         """``{"process_start": Unix time, "phases": {name: seconds since then}}``, the phases in the order they
