@@ -11,7 +11,8 @@ A round has three phases (``start``: the agent's handler is built; ``round``: ``
 ``sealed``: after it), and in each a node plays a part: the first agent of the run grants and publishes the run's
 lease (``first``), the first joiner seals (``seals``), the first three joiners watch the whole round (``sealer``),
 everyone else only waits for the seal (``member``), rank 0 publishes the store's address (``rank0``). The
-recording holds, per phase and part, the unary requests in order and the watch stream's messages in order; the
+recording holds, per phase and part, the unary requests in order and the watch stream's messages (as a set: a
+cancel is sent once etcd confirmed the watch, so its place among the creates varies); the
 keep-alives are periodic (``keepalive``: the leases refreshed and how often).
 
 ``python bench/rendezvous_replay.py --record`` records a fresh round (4 handlers, so every part is played) and
@@ -258,6 +259,9 @@ def requests_of(played: Played) -> tuple[dict[tuple[str, str], list[dict[str, An
         op = {"rpc": sent.rpc, "request": request}
         if not ops or ops[-1] != op:  # a store read polled until the key is there is one request, repeated
             ops.append(op)
+    for (_, stream), ops in ordered.items():
+        if stream == "watch":  # a cancel waits for its watch's confirmation: its place among the creates varies
+            ops.sort(key=lambda op: json.dumps(op, sort_keys=True))
     return ordered, kept_alive
 
 
@@ -335,6 +339,7 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
             handler.shutdown()
         raise RuntimeError(f"The recorded round did not form: {failed}")
     time.sleep(0.3)  # the streams' last messages are recorded as gRPC sends them
+    sent = [recorder.snapshot() for recorder in recorders]  # before this function's own reads below
     layout = handlers[0]._layout
     _, [kvs, seals] = handlers[0]._parts.client.read_ranges(
         [_round_read(layout), _seal_read(layout)], "reading the recorded round"
@@ -342,10 +347,10 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
     first_three = {kv.key for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:3]}
     seal = layout.decode(SealRecord, seals[0].value, seals[0].key)
     played = []
-    for i, (recorder, handler) in enumerate(zip(recorders, handlers, strict=True)):
+    for i, (requests, handler) in enumerate(zip(sent, handlers, strict=True)):
         names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id())
         played.append(Played(
-            sent=recorder.snapshot(), names=names, first=i == 0, seals=seal.sealed_by == handler.node,
+            sent=requests, names=names, first=i == 0, seals=seal.sealed_by == handler.node,
             sealer=layout.node_key(0, handler.node) in first_three, rank0=seal.members[0] == handler.node,
         ))  # fmt: skip
     return played, handlers
