@@ -106,14 +106,14 @@ class Node:
     # placeholders -> values
     def fill(self, field: str, placeholder: str) -> Any:
         r = self.r
+        if field == "value":  # a written value (the run lease's id too, as text)
+            return r.value(placeholder, self)
         if placeholder == "{node_lease}":
             return self.node_lease
         if placeholder == "{run_lease}":
             return r.run_lease
         if placeholder == "{rev}":
             return self.rev if field == "revision" else self.rev + 1
-        if field == "value":
-            return r.value(placeholder, self)
         keys = {"node": self.name, "run_id": r.run_id, "round": "0" * rr.ROUND_DIGITS,
                 "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0"}  # fmt: skip
         return rr.fill_text(placeholder, keys).encode()
