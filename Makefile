@@ -93,7 +93,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 test-quick: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not e2e" $(XDIST) $(PYTEST_ARGS)
 
-## bench: the loop-overhead, step-boundary CPU, metrics-overhead, snapshot-overhead, rendezvous, lease keep-alive and checkpoint
+## bench: the loop-overhead, step-boundary CPU, metrics-overhead, snapshot-overhead, rendezvous (and its etcd-side replay), lease keep-alive and checkpoint
 ## benchmarks (not tests; they print ratios).
 bench: install-test
 	$(PY) -m pip install -q -e '.[test,bench]'
@@ -102,6 +102,7 @@ bench: install-test
 	$(PY) bench/metrics_overhead.py
 	$(PY) bench/snapshot_overhead.py
 	$(PY) bench/rendezvous.py
+	$(PY) bench/rendezvous_replay.py
 	$(PY) bench/keepalive.py
 	$(PY) bench/checkpoint.py
 
