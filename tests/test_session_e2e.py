@@ -424,3 +424,26 @@ def test_a_break_on_one_rank_ends_the_job_within_seconds_naming_it(tmp_path: Pat
     assert summary["error"].startswith("rank(s) 1 left the loop after step 3"), summary["error"]
     assert "every rank must leave at the same step" in summary["error"]
     assert re.search(r"\[rank 1\] ERROR rank\(s\) 1 left the loop after step 3 .*rank\(s\) 0 went on", output)
+
+
+def test_s_epochs_takes_the_scripts_own_count_and_a_preempted_run_resumes_in_its_epoch_digest_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#35.3: ``for epoch in s.epochs(3): for x, y in s.batches(...)`` with no train.epochs given: 3 epochs of 8
+    steps (not train.epochs' default 2), each epoch numbered at its first step; SIGTERM to one worker in epoch 1, a
+    rerun that starts in epoch 1 (not 0) at the stopped step, and the uninterrupted digest."""
+    monkeypatch.setenv("SESSION_END", "with:epochs-3")
+    sets = ("train.log_every=1",)
+    output = run_script(ENDS, 2, tmp_path / "straight", sets, (), paths())
+    straight = read_summary(tmp_path / "straight")
+    assert (straight["status"], straight["global_step"], straight["epochs_completed"]) == ("completed", 24, 3), output
+    assert re.findall(r"rank 0: epoch (\d) at step (\d+)", output) == [("0", "0"), ("1", "8"), ("2", "16")]
+
+    first, resumed, text = preempt_and_rerun(ENDS, tmp_path / "run", sets, (), paths(), at=10)
+    stopped = first["stopped_at_step"]
+    assert 10 <= stopped < 16, text[-4000:]  # mid-epoch 1
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped, text[-4000:]
+    rerun = text[text.index("resuming from") :]
+    assert re.findall(r"rank 0: epoch (\d) at step (\d+)", rerun) == [("1", str(stopped)), ("2", "16")], rerun
+    assert (resumed["global_step"], resumed["epochs_completed"]) == (24, 3)
+    assert resumed["model_digest"] == straight["model_digest"], text[-4000:]

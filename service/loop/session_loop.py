@@ -36,6 +36,27 @@ class LockLost(Stopped):
         super().__init__(EXIT_FAILED)
 
 
+EPOCHS = "__epochs__"  # s.epochs(n)'s count among the kept objects (no script names one so)
+
+
+class EpochCount:
+    """The count of ``s.epochs(n)``, in every checkpoint: a resume that passes another count is refused."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epochs": self.count}
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = int(state["epochs"])
+        if saved != self.count:
+            raise SessionError(f"s.epochs({self.count}): the run this resumes from counted {saved} epochs "
+                               f"(s.epochs({saved})), and a run's epoch count stays as it started, as train.epochs "
+                               f"does. Pass s.epochs({saved}) (e.g. the same --num_train_epochs), or start afresh "
+                               "with --set checkpoint.resume=never.")  # fmt: skip
+
+
 class SessionLoop:
     """The data loop's calls, on a session whose runtime is ``self._rt`` (mixed into :class:`service.Session`)."""
 
@@ -45,6 +66,7 @@ class SessionLoop:
     _running: bool
     _ending: BaseException | None
     _rt: Any
+    config: Any
     _stepped: Callable[[int], None]  # the tools' check of the first step (SessionTools)
 
     def _seen(self, exc: BaseException) -> None:
@@ -70,9 +92,51 @@ class SessionLoop:
         batch = feed.global_batch if feed is not None else None
         return rt.state.cursor // batch if batch else 0
 
-    def epochs(self) -> Iterator[int]:
-        """The epochs left (``train.epochs``, from the one a resume stands in); within one, ``s.batches`` gives that
-        epoch's batches only."""
+    def epochs(self, n: int | None = None) -> Iterator[int]:
+        """The epochs left (``n``, the script's own count, else ``train.epochs``; from the one a resume stands in);
+        within one, ``s.batches`` gives that epoch's batches only. ``n`` is the run's ``train.epochs`` from here on:
+        it bounds the run as that key does (``train.max_steps`` may end it sooner), it is kept in every checkpoint,
+        and a resume must pass the same. Call it before the first ``s.batches``. A ``train.epochs`` set in the config
+        or with ``--set`` to another number is refused, naming both (one run has one count)."""
+        if n is not None:
+            with self._refusals():
+                self._count_epochs(n)
+        return self._epochs()
+
+    def _count_epochs(self, n: int) -> None:
+        """``s.epochs(n)``: ``n`` becomes the run's ``train.epochs``, kept (checked against the resumed run's)."""
+        from service.state.checkpoint_io import kept_names
+
+        rt = self._rt
+        call = f"s.epochs({n!r})"
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SessionError(f"{call}: n is the run's number of epochs, a whole number of at least 1 (e.g. "
+                               "s.epochs(args.num_train_epochs)); or call s.epochs() to take "
+                               "train.epochs.")  # fmt: skip
+        train = rt.config.train
+        kept = rt.kept.shared.get(EPOCHS)
+        if kept is not None and kept.count == n:
+            return  # the same count again (a second loop over the epochs)
+        if kept is not None or rt.kept.closed_for is not None:
+            before = f"s.epochs({kept.count})" if kept is not None else rt.kept.closed_for
+            raise SessionError(f"{call} came after {before}: "
+                               "a run counts its epochs once, before its first s.batches. Call s.epochs(n) once, "
+                               "above the loop.")  # fmt: skip
+        if "epochs" in train.model_fields_set and train.epochs != n:
+            raise SessionError(f"{call} and train.epochs={train.epochs} (the config or --set) both set the run's "
+                               "number of epochs, and they differ: one run has one count. Leave train.epochs unset "
+                               f"(the script's count, {n}, rules), or call s.epochs() to take "
+                               "train.epochs.")  # fmt: skip
+        resumed = rt.resumed.state if rt.resumed is not None else None
+        if resumed is not None and EPOCHS not in kept_names(resumed):
+            saved = resumed.get("config", {}).get("train", {}).get("epochs")
+            raise SessionError(f"{call}: the run this resumes from counted its epochs by train.epochs={saved}, not "
+                               "by s.epochs(n), and a run's epoch count stays as it started. Call s.epochs() as it "
+                               "did, or start afresh with --set checkpoint.resume=never.")  # fmt: skip
+        rt.config = self.config = rt.config.model_copy(update={"train": train.model_copy(update={"epochs": n})})
+        rt.kept.keep({EPOCHS: EpochCount(n)}, False, "s.epochs")  # a resume loads (and checks) the saved count here
+
+    def _epochs(self) -> Iterator[int]:
         rt, epochs = self._rt, self._rt.config.train.epochs
         while (
             rt.stopped is None
