@@ -99,7 +99,7 @@ def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, wit
         kill_group(proc)
     summary = read_summary(run_dir)
     assert summary["status"] == "preempted", watcher.text()[-3000:]
-    ended = watcher.wait_for(rf"preempted: stopped at step {summary['stopped_at_step']}", timeout=0)
+    ended = watcher.wait_for(rf"preempted: stopped at step {summary['stopped_at_step']}", timeout=10)
     assert exited - ended < within, watcher.text()[-3000:]
     return summary
 
@@ -277,7 +277,7 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
         exited = time.monotonic()
     finally:
         kill_group(proc)
-    assert exited - watcher.wait_for(r"\[rank 0\] INFO done: step 16,", timeout=0) < 30, watcher.text()[-4000:]
+    assert exited - watcher.wait_for(r"\[rank 0\] INFO done: step 16,", timeout=10) < 30, watcher.text()[-4000:]
     straight_lrs = learning_rates(watcher.text())
     straight = read_summary(tmp_path / "straight")
 
