@@ -85,7 +85,6 @@ def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path
 
 
 CLM = EXAMPLES / "clm_no_trainer.py"
-SIGNALLER = REPO / "tests" / "scripts" / "signal_at_step.py"
 
 
 def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_digest(tmp_path, monkeypatch):
@@ -95,7 +94,7 @@ def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_di
     same evaluation (its perplexity per epoch, world-summed over s.eval_batches)."""
     import random
 
-    from test_session_e2e import run_script, script_cmd
+    from test_session_e2e import run_script, signalled_then_rerun
 
     rng = random.Random(35)
     words = [f"w{index}" for index in range(40)]
@@ -115,16 +114,8 @@ def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_di
     assert set(straight["eval_metrics"]) == {"perplexity", "eval_loss"}
 
     at = per_epoch + 2  # in epoch 1
-    monkeypatch.setenv("SIGNAL_SCRIPT", str(CLM))
-    monkeypatch.setenv("SIGNAL_AT_STEP", str(at))
-    first = subprocess.run(script_cmd(SIGNALLER, 2, tmp_path / "run", sets, args), cwd=REPO, capture_output=True,
-                           text=True, env=child_env(PYTHONPATH=str(REPO)), timeout=300)  # fmt: skip
-    stopped = read_summary(tmp_path / "run")
-    assert first.returncode != 0 and stopped["status"] == "preempted", (first.stdout + first.stderr)[-4000:]
-    assert at <= stopped["stopped_at_step"] < straight["global_step"]
-    monkeypatch.delenv("SIGNAL_AT_STEP")
-    output = run_script(CLM, 2, tmp_path / "run", sets, args, str(REPO))
-    resumed = read_summary(tmp_path / "run")
+    stopped, resumed, output = signalled_then_rerun(CLM, tmp_path / "run", sets, args, at, monkeypatch, str(REPO))
+    assert stopped["stopped_at_step"] < straight["global_step"], stopped
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped["stopped_at_step"]
     assert "epoch 0: perplexity" not in output and output.count("epoch 1: perplexity") == 1  # resumed in epoch 1
     assert resumed["model_digest"] == straight["model_digest"], output[-4000:]

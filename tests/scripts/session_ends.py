@@ -2,8 +2,8 @@
 torchrun): ``FORM:HOW``, FORM ``with`` (``with service.Session() as s``) or ``start`` (``s =
 service.Session().start()``, module level); HOW, after step 3's body: ``break`` (every rank), ``break-rank1``
 (rank 1 only), ``exit-N`` (``sys.exit(N)``); or ``rename`` (keeps another name than the run it resumes); or
-``epochs-N``: the script's own count, ``for epoch in s.epochs(N): for x, y in s.batches(...)`` (0.2 s a step),
-printing each epoch's number and the step it starts at."""
+``epochs-N``: the script's own count, ``for epoch in s.epochs(N): for x, y in s.batches(...)``, printing each
+epoch's number and the step it starts at."""
 
 import os
 import sys
@@ -30,9 +30,10 @@ def train(s: service.Session) -> None:
             print(f"rank {s.rank}: epoch {epoch} at step {s.global_step}", flush=True)
             for x, y in s.batches(DATA, 4):
                 opt.zero_grad()
-                nn.functional.mse_loss(net(x), y).backward()
+                loss = nn.functional.mse_loss(net(x), y)
+                loss.backward()
                 opt.step()
-                time.sleep(0.2)
+                s.log(loss=loss)
         return
     for step, (x, y) in enumerate(s.batches(DATA, 4), s.epoch_step + 1):
         opt.zero_grad()
