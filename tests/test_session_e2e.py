@@ -463,7 +463,7 @@ def test_s_epochs_takes_the_scripts_own_count_and_a_preempted_run_resumes_in_its
     stopped = first["stopped_at_step"]
     assert stopped < 24, first
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped, rerun[-4000:]
-    epoch = (stopped - 1) // 8  # the epoch it stopped in (at an epoch's last step: that epoch, with nothing left)
+    epoch = stopped // 8  # the epoch it goes on in (a stop at an epoch's last step: the next one, at its start)
     expected = [(str(epoch), str(stopped))] + [(str(later), str(8 * later)) for later in range(epoch + 1, 3)]
     assert re.findall(r"rank 0: epoch (\d) at step (\d+)", rerun) == expected, rerun[-4000:]
     assert (resumed["global_step"], resumed["epochs_completed"]) == (24, 3)
