@@ -82,3 +82,41 @@ def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path
     metric, floor = LEARNS[name]
     assert set(reference["eval_metrics"]) == {"loss", metric}
     assert reference["eval_metric"]["name"] == metric and reference["eval_metric"]["value"] > floor, reference
+
+
+CLM = EXAMPLES / "clm_no_trainer.py"
+
+
+def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_digest(tmp_path, monkeypatch):
+    """examples/clm_no_trainer.py (transformers' run_clm_no_trainer.py structure on a session): a tiny GPT-2 and a
+    local word-level tokenizer on a local text file, 2 epochs through s.epochs(--num_train_epochs) at 2 processes;
+    rank 1 gets SIGTERM in epoch 1, and the rerun resumes in that epoch to the uninterrupted run's digest, with the
+    same evaluation (its perplexity per epoch, world-summed over s.eval_batches)."""
+    import random
+
+    from test_session_e2e import run_script, signalled_then_rerun
+
+    rng = random.Random(35)
+    words = [f"w{index}" for index in range(40)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + "\n"
+                              for _ in range(100)))  # fmt: skip
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the datasets cache: this test's own
+    args = ("--train_file", str(corpus), "--block_size", "16", "--per_device_train_batch_size", "4",
+            "--num_train_epochs", "2")  # fmt: skip
+    sets = ("train.log_every=1",)
+    output = run_script(CLM, 2, tmp_path / "straight", sets, args, str(REPO))
+    straight = read_summary(tmp_path / "straight")
+    assert (straight["status"], straight["epochs_completed"]) == ("completed", 2), output[-3000:]
+    per_epoch = straight["global_step"] // 2
+    assert per_epoch >= 4 and output.count("epoch 1: perplexity") == 1  # s.print: rank 0's line
+    assert set(straight["eval_metrics"]) == {"perplexity", "eval_loss"}
+
+    at = per_epoch + 2  # in epoch 1
+    stopped, resumed, output = signalled_then_rerun(CLM, tmp_path / "run", sets, args, at, monkeypatch, str(REPO))
+    assert stopped["stopped_at_step"] < straight["global_step"], stopped
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped["stopped_at_step"]
+    assert "epoch 0: perplexity" not in output and output.count("epoch 1: perplexity") == 1  # resumed in epoch 1
+    assert resumed["model_digest"] == straight["model_digest"], output[-4000:]
+    assert resumed["eval_metrics"] == straight["eval_metrics"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
-from procs import worker_pids
+from procs import _children_map, worker_pids
 
 from service.loop.sampler import permutation
 
@@ -86,6 +86,33 @@ def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str, star
     assert summary["status"] == "preempted", watcher.text()[-3000:]
     assert f"preempted: stopped at step {summary['stopped_at_step']}" in watcher.text()
     return summary
+
+
+def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, within: float = 30) -> dict:
+    """As :func:`preempt_agent_at`, the SIGTERM to local rank 1's trainer alone (not its loader workers): the agent
+    waits for its workers to leave by themselves, and they must, within ``within`` s of their stop."""
+    proc, watcher = start(run_dir, nproc, *overrides)
+    try:
+        watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
+        os.kill(next(pid for pid in _children_map().get(proc.pid, []) if _local_rank(pid) == 1), signal.SIGTERM)
+        assert finish(proc, watcher) != 0  # a worker exited 75
+        exited = time.monotonic()
+    finally:
+        kill_group(proc)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted", watcher.text()[-3000:]
+    ended = watcher.wait_for(rf"preempted: stopped at step {summary['stopped_at_step']}", timeout=10)
+    assert exited - ended < within, watcher.text()[-3000:]
+    return summary
+
+
+def _local_rank(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [int(item.split(b"=", 1)[1]) for item in environ if item.startswith(b"LOCAL_RANK=")]
+    return found[0] if found else None
 
 
 def manifest_steps(run_dir: Path) -> list[int]:
@@ -243,13 +270,23 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
     The cosine LR schedule, several steps in at the stop, goes on where it was: the same LR at every step after it."""
     # 11 steps an epoch (256 samples, 24 a step): the signal comes in epoch 0, and the resumed run crosses into
     # epoch 1 (a new permutation, eval at the boundary) before it ends.
+    # Issue 35.1, the Task loop: with 2 loader workers a rank, a run cut by max_steps mid-epoch and a preempted one
+    # each exit within seconds of their end (the SIGTERM goes to a trainer, not the agent, whose own SIGTERM would
+    # SIGKILL a lingering worker after 30 s and hide a hang).
     job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
            "data.num_workers=2")  # fmt: skip
-    straight_lrs = learning_rates(run_job(tmp_path / "straight", 3, *job, start="warm").stdout)
+    proc, watcher = start(tmp_path / "straight", 3, *job, start="warm")
+    try:
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+        exited = time.monotonic()
+    finally:
+        kill_group(proc)
+    assert exited - watcher.wait_for(r"\[rank 0\] INFO done: step 16,", timeout=10) < 30, watcher.text()[-4000:]
+    straight_lrs = learning_rates(watcher.text())
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "run"
-    preempted = preempt_agent_at(run_dir, 3, 5, *job, start_as="warm")
+    preempted = preempt_worker_at(run_dir, 3, 5, *job)
     stopped = preempted["stopped_at_step"]
     assert 5 <= stopped < 16 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
     resumed_lrs = learning_rates(run_job(run_dir, 3, *job, start="warm").stdout)

@@ -427,3 +427,47 @@ def test_a_break_on_one_rank_ends_the_job_within_seconds_naming_it(tmp_path: Pat
     assert summary["error"].startswith("rank(s) 1 left the loop after step 3"), summary["error"]
     assert "every rank must leave at the same step" in summary["error"]
     assert re.search(r"\[rank 1\] ERROR rank\(s\) 1 left the loop after step 3 .*rank\(s\) 0 went on", output)
+
+
+SIGNALLER = REPO / "tests" / "scripts" / "signal_at_step.py"
+
+
+def signalled_then_rerun(script: Path, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], at: int,
+                         monkeypatch: pytest.MonkeyPatch, pythonpath: str) -> tuple[dict, dict, str]:  # fmt: skip
+    """Run ``script`` under tests/scripts/signal_at_step.py, whose rank 1 sends itself SIGTERM in step ``at`` (at its
+    ``s.log``; whatever the load, no watcher's lag), then the script again to its end: (the first summary, the
+    rerun's, the rerun's output)."""
+    monkeypatch.setenv("SIGNAL_SCRIPT", str(script))
+    monkeypatch.setenv("SIGNAL_AT_STEP", str(at))
+    first = subprocess.run(script_cmd(SIGNALLER, 2, run_dir, sets, args), cwd=REPO, capture_output=True, text=True,
+                           env=child_env(PYTHONPATH=pythonpath), timeout=300)  # fmt: skip
+    monkeypatch.delenv("SIGNAL_AT_STEP")
+    stopped = read_summary(run_dir)
+    assert first.returncode != 0 and stopped["status"] == "preempted", (first.stdout + first.stderr)[-4000:]
+    assert stopped["stopped_at_step"] >= at
+    output = run_script(script, 2, run_dir, sets, args, pythonpath)
+    return stopped, read_summary(run_dir), output
+
+
+def test_s_epochs_takes_the_scripts_own_count_and_a_preempted_run_resumes_in_its_epoch_digest_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#35.3: ``for epoch in s.epochs(3): for x, y in s.batches(...)`` with no train.epochs given: 3 epochs of 8
+    steps (not train.epochs' default 2), each epoch numbered at its first step; SIGTERM to rank 1 in step 10 (epoch
+    1), a rerun that starts in the epoch it stopped in, at the stopped step, and the uninterrupted digest."""
+    monkeypatch.setenv("SESSION_END", "with:epochs-3")
+    sets = ("train.log_every=1",)
+    output = run_script(ENDS, 2, tmp_path / "straight", sets, (), paths())
+    straight = read_summary(tmp_path / "straight")
+    assert (straight["status"], straight["global_step"], straight["epochs_completed"]) == ("completed", 24, 3), output
+    assert re.findall(r"rank 0: epoch (\d) at step (\d+)", output) == [("0", "0"), ("1", "8"), ("2", "16")]
+
+    first, resumed, rerun = signalled_then_rerun(ENDS, tmp_path / "run", sets, (), 10, monkeypatch, paths())
+    stopped = first["stopped_at_step"]
+    assert stopped < 24, first
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped, rerun[-4000:]
+    epoch = stopped // 8  # the epoch it goes on in (a stop at an epoch's last step: the next one, at its start)
+    expected = [(str(epoch), str(stopped))] + [(str(later), str(8 * later)) for later in range(epoch + 1, 3)]
+    assert re.findall(r"rank 0: epoch (\d) at step (\d+)", rerun) == expected, rerun[-4000:]
+    assert (resumed["global_step"], resumed["epochs_completed"]) == (24, 3)
+    assert resumed["model_digest"] == straight["model_digest"], rerun[-4000:]

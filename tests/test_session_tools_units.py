@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import random
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,10 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.config import ConfigError, load_config
+from service.loop.geometry import plan_total_steps
+from service.loop.job import LoopState
 from service.loop.kept import Kept
 from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
 from service.loop.roles import Console, LeadConsole
-from service.loop.session import Session, refuse_unused
+from service.loop.session import Session, SessionError, refuse_unused
+from service.loop.session_loop import EpochCount
 from service.loop.session_tools import NONFINITE_FIX, CountFeed, ToolError, _numbers, split_batch
 from service.state.checkpoint_io import load_tensors
 
@@ -124,3 +129,72 @@ def test_a_sessions_non_finite_step_advises_only_what_a_session_takes(tmp_path):
         guard.check(1)
     text = str(raised.value)
     assert "s.step(optimizer, max_norm=...)" in text and "train.lr" not in text and "train.grad_clip" not in text
+
+
+def _epochs_session(overrides: list[str], resumed: dict | None = None) -> tuple[Session, Any]:
+    """A session on a stand-in runtime: the real config, loop state and kept objects (``resumed``: a checkpoint's)."""
+    rt = SimpleNamespace(config=load_config(None, overrides), state=LoopState(), stopped=None, total_steps=0,
+                         kept=Kept(resumed, 0, 1, "step-8.pt"),
+                         resumed=SimpleNamespace(state=resumed) if resumed is not None else None)  # fmt: skip
+    session = Session()
+    session._runtime = rt
+    return session, rt
+
+
+def _walk(session: Session, rt: Any, n: int | None) -> list[int]:
+    """The epochs ``s.epochs(n)`` gives, each run to its end."""
+    seen = []
+    for epoch in session.epochs(n):
+        seen.append(epoch)
+        rt.state.epoch += 1
+    return seen
+
+
+def test_s_epochs_takes_the_scripts_count_as_the_runs_epochs_bounding_its_steps_and_keeping_it():
+    session, rt = _epochs_session([])
+    rt.state.epoch = 1  # a resume in epoch 1
+    assert _walk(session, rt, 4) == [1, 2, 3]
+    assert rt.config.train.epochs == 4 and session.config is rt.config
+    assert plan_total_steps(CountFeed(5), LoopState(), rt.config.train) == 20  # bounds the run as train.epochs does
+    assert rt.kept.states()["__epochs__"] == {"epochs": 4}  # in every checkpoint
+    assert _walk(session, rt, 4) == []  # the same count again: nothing left
+    same, rt = _epochs_session(["train.epochs=3"])  # train.epochs given, and equal: fine
+    assert _walk(same, rt, 3) == [0, 1, 2]
+    default, rt = _epochs_session([])
+    assert _walk(default, rt, None) == [0, 1]  # s.epochs(): train.epochs (default 2), nothing kept
+    assert "__epochs__" not in rt.kept.shared
+
+
+@pytest.mark.parametrize(
+    ("overrides", "first", "n", "match"),
+    [
+        (["train.epochs=2"], None, 3, r"s\.epochs\(3\) and train\.epochs=2 \(the config or --set\) both set"),
+        ([], None, 0, r"s\.epochs\(0\): n is the run's number of epochs, a whole number of at least 1"),
+        ([], None, True, r"s\.epochs\(True\): n is"),
+        ([], 3, 4, r"s\.epochs\(4\) came after s\.epochs\(3\)"),
+    ],
+)
+def test_s_epochs_refuses_a_conflicting_train_epochs_a_bad_count_and_a_second_count(overrides, first, n, match):
+    session, _ = _epochs_session(overrides)
+    if first is not None:
+        session.epochs(first)
+    with pytest.raises(SessionError, match=match) as raised:
+        session.epochs(n)
+    assert raised.value.code == 2  # uncaught: exit 2, no traceback
+
+
+def test_a_resume_must_pass_the_count_it_started_with():
+    before = Kept(None, 0, 1)
+    before.keep({"net": torch.nn.Linear(1, 1), "__epochs__": EpochCount(3)}, False, "s.keep")
+    state = {**_saved(before), "config": {"train": {"epochs": 2}}}
+    session, rt = _epochs_session([], state)
+    with pytest.raises(SessionError, match=r"s\.epochs\(5\): the run this resumes from counted 3 epochs"):
+        session.epochs(5)
+    session, rt = _epochs_session([], state)
+    session.epochs(3)  # the same count: loaded, and on
+    assert rt.config.train.epochs == 3
+    plain = Kept(None, 0, 1)
+    plain.keep({"net": torch.nn.Linear(1, 1)}, False, "s.keep")
+    session, _ = _epochs_session([], {**_saved(plain), "config": {"train": {"epochs": 2}}})
+    with pytest.raises(SessionError, match=r"counted its epochs by train\.epochs=2, not by s\.epochs\(n\)"):
+        session.epochs(2)

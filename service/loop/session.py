@@ -41,49 +41,19 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn
 
 from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
-from service.errors import Refusal
+from service.loop.session_config import refuse_unused, split_argv
+from service.loop.session_loop import LockLost, Preempted, SessionError, SessionLoop, Stopped
 from service.loop.session_tools import SessionTools
-from service.state.preemption import (
-    EXIT_COMPLETED,
-    EXIT_FAILED,
-    EXIT_PREEMPTED,
-    Preemption,
-    exit_code_of,
-    ignore_stop_signals,
-)
+from service.state.preemption import EXIT_COMPLETED, EXIT_FAILED, Preemption, exit_code_of, ignore_stop_signals
 
 log = logging.getLogger("service.loop.train")
-
-
-class SessionError(RuntimeError, Refusal):
-    """A session used out of order (a call before ``start``, a second ``s.batches`` loop inside one); the message
-    names the call and the fix; uncaught, the process exits 2 with no traceback."""
-
-
-class Stopped(SystemExit):
-    """``s.batches`` ended the run before its last step; the process exits with :attr:`code`."""
-
-
-class Preempted(Stopped):
-    """A preemption (SIGTERM, SIGUSR1) stopped every rank at one step, after its checkpoint: exit 75, rerun to
-    resume. Catch it to run something first; re-raise it to keep the exit code."""
-
-    def __init__(self) -> None:
-        super().__init__(EXIT_PREEMPTED)
-
-
-class LockLost(Stopped):
-    """rank 0 lost the run_dir lock (another job may own it now): every rank stopped, nothing more saved; exit 1."""
-
-    def __init__(self) -> None:
-        super().__init__(EXIT_FAILED)
 
 
 class LeftAlone(Stopped):
@@ -98,33 +68,13 @@ class LeftAlone(Stopped):
         return self.message
 
 
-def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
-    """``--config FILE`` and ``--set KEY=VALUE`` (either as ``--opt=value``) out of a script's arguments: (the file,
-    the overrides, the script's own arguments, in their order)."""
-    path: str | None = None
-    overrides: list[str] = []
-    rest: list[str] = []
-    items = iter(argv)
-    for item in items:
-        name, sep, value = item.partition("=")
-        if name in ("--config", "--set"):
-            if not sep:
-                value = next(items, None)  # type: ignore[assignment]
-                if value is None:
-                    example = "job.yaml" if name == "--config" else "train.lr=0.1"
-                    raise ConfigError([f"{name} needs a value, e.g. {name} {example}"], "The command line")
-            if name == "--config":
-                path = value
-            else:
-                overrides.append(value)
-        else:
-            rest.append(item)
-    return path, overrides, rest
+__all__ = ["LeftAlone", "LockLost", "Preempted", "Session", "SessionError", "Stopped", "refuse_unused", "split_argv"]
 
 
-class Session(SessionTools):
-    """The service around a script's own loop (module docstring); its tools (precision, accumulation, evaluation,
-    coordination, ``s.steps``) in :mod:`service.loop.session_tools`. Public API: add, never rename."""
+class Session(SessionLoop, SessionTools):
+    """The service around a script's own loop (module docstring); its data loop (``s.epochs``, ``s.batches``) in
+    :mod:`service.loop.session_loop`, its tools (precision, accumulation, evaluation, coordination, ``s.steps``) in
+    :mod:`service.loop.session_tools`. Public API: add, never rename."""
 
     def __init__(self, config: str | Path | JobConfig | None = None, overrides: Sequence[str] = (),
                  env: Mapping[str, str] | None = None) -> None:  # fmt: skip
@@ -318,10 +268,6 @@ class Session(SessionTools):
                     stream.flush()
             os._exit(exit_code_of(stop))
 
-    def _seen(self, exc: BaseException) -> None:
-        """A refusal on its way out of a session call: the end at exit (no ``with``) reads it."""
-        self._ending = exc
-
     # ------------------------------------------------------------------ the public calls
     @property
     def _rt(self) -> Any:
@@ -352,142 +298,6 @@ class Session(SessionTools):
         world size; at another, left as built, with one warning naming them."""
         with self._refusals():
             self._rt.keep(objects, True, "s.keep_rank")
-
-    @contextlib.contextmanager
-    def _refusals(self) -> Iterator[None]:
-        from service.errors import Refusal
-
-        try:
-            yield
-        except Refusal as exc:
-            self._seen(exc)
-            raise
-
-    @property
-    def epoch_step(self) -> int:
-        """Steps already taken in the current epoch: 0 at its start, the resumed position after a resume.
-        ``enumerate(s.batches(...), s.epoch_step)`` numbers a resumed epoch's batches as the uninterrupted run did."""
-        rt = self._rt
-        feed = rt.feed or self._last_feed
-        batch = feed.global_batch if feed is not None else None
-        return rt.state.cursor // batch if batch else 0
-
-    def epochs(self) -> Iterator[int]:
-        """The epochs left (``train.epochs``, from the one a resume stands in); within one, ``s.batches`` gives that
-        epoch's batches only."""
-        rt, epochs = self._rt, self._rt.config.train.epochs
-        while (
-            rt.stopped is None
-            and rt.state.epoch < epochs
-            and not (rt.total_steps and rt.state.global_step >= rt.total_steps)
-        ):
-            epoch = self._epoch = rt.state.epoch
-            try:
-                yield epoch
-            finally:
-                self._epoch = None
-            if rt.state.epoch == epoch:  # the body left its epoch unfinished (a break, or no s.batches)
-                return
-
-    def batches(self, dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None,
-                shuffle: bool = True, shard: bool = True, drop_last: bool = True) -> Iterator[Any]:  # fmt: skip
-        """One optimizer step's batch at a time, on the device (any nesting of tensors). Map-style datasets go
-        through the resumable sampler (every sample once per epoch, across resizes); ``shuffle=False`` keeps the
-        dataset's order; ``shard=False`` gives each rank its own dataset whole, in order (TBPTT). An iterable
-        dataset (a stream) is sharded over the ranks and resumes from its state."""
-        with self._refusals():
-            self._refuse_second_loop()
-            feed = self._feed(dataset, batch_size, collate_fn, shuffle, shard, drop_last)  # s.epoch_step knows it now
-        self._last_feed = feed
-        return self._batches(feed)
-
-    def _refuse_second_loop(self) -> None:
-        if self._running:
-            raise SessionError(
-                "s.batches(...) was called while another s.batches loop is still running (nested, or two side by "
-                "side): both would draw from the one data position of the run, skipping samples and counting "
-                "steps twice. Use one s.batches loop at a time; to read a second dataset in the same step, "
-                "iterate it yourself inside the loop (e.g. next() on a DataLoader of it)."
-            )
-
-    def _batches(self, feed: Any) -> Iterator[Any]:
-        from service.loop.batches import to_device
-        from service.loop.stepping import Hooks, steps
-
-        rt = self._rt
-        hooks = Hooks(reported=self._reported, stepped=self._stepped)
-        self._refuse_second_loop()  # two made before either ran: the second to start is refused
-        self._running = True
-        try:
-            with self._refusals():  # the resume's checks of the data, at the first step
-                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
-                    yield to_device(fed.batches[0], rt.device, non_blocking=True)
-                    self._ending = None  # the loop went on: a sys.exit the script caught is no end
-        finally:
-            self._running = False
-        if rt.stopped is not None:
-            rt.finish(rt.stopped)
-            raise Preempted() if rt.stopped == "preempted" else LockLost()
-
-    def _reported(self, report: Any) -> None:
-        """``checkpoint.best`` on a script's logged numbers: at each log line, its world means."""
-        rt = self._rt
-        if rt.config.checkpoint.best is not None:
-            rt.gather_own()
-            rt.roles.checkpointer.on_eval(rt.state.global_step, report.world_values, rt.checkpoint_state)
-
-    def _feed(self, dataset: Any, batch_size: int, collate_fn: Any, shuffle: bool, shard: bool,
-              drop_last: bool) -> Any:  # fmt: skip
-        from service.loop.session_data import make_feed
-
-        key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
-        if key not in self._feeds:  # another dataset (one made anew each epoch): the one before is done with
-            feed = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
-            self._close_feeds()
-            self._feeds[key] = feed
-        return self._feeds[key]
-
-    def _close_feeds(self) -> None:
-        """Shut the cached feeds' loader workers down and let go of them."""
-        feeds, self._feeds = list(self._feeds.values()), {}
-        for feed in feeds:
-            feed.close()
-
-
-def refuse_unused(config: JobConfig) -> None:
-    """Config keys a script's own loop cannot honour (it builds and steps its own optimizer), when set: an error naming
-    each and what replaces it. ``train.amp``, ``train.grad_accum`` and ``train.nonfinite`` are the session tools'
-    (:mod:`service.loop.session_tools`), refused at the first step when none of those tools applied them."""
-    train, problems = config.train, []
-    if train.grad_clip != "auto":
-        problems.append(f"train.grad_clip={train.grad_clip}: the script steps its own optimizer, so clip in its step "
-                        "(s.step(optimizer, max_norm=...), or torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                        "max_norm) before optimizer.step()) and leave train.grad_clip unset")  # fmt: skip
-    if train.lr_schedule != "auto":
-        problems.append(
-            f"train.lr_schedule={train.lr_schedule}: the script steps its own optimizer, so build its "
-            "schedule in the script (and keep it with s.keep) and leave train.lr_schedule unset"
-        )
-    if config.init_from is not None:
-        problems.append("init_from: a script loads its own weights (model.load_state_dict(...)) before s.model; "
-                        "init_from is for task jobs")  # fmt: skip
-    if train.strategy != "ddp":
-        problems.append(f"train.strategy={train.strategy}: a session wraps its models in DDP")
-    if train.global_batch_size is not None:
-        problems.append(f"train.global_batch_size={train.global_batch_size}: s.batches(dataset, batch_size) gives "
-                        "batch_size samples per rank per step (the global batch is batch_size x s.world_size); "
-                        "accumulate with train.grad_accum and s.micro_batches(batch)")  # fmt: skip
-    own = "the script builds its own optimizer"
-    for key, fix in (("optimizer", f"{own} (e.g. torch.optim.AdamW(model.parameters(), lr=3e-4))"),
-                     ("lr", f"{own}: pass the learning rate to it"),
-                     ("momentum", f"{own}: pass momentum to it"),
-                     ("weight_decay", f"{own}: pass weight_decay to it"),
-                     ("min_lr", "the script builds its own schedule (keep it with s.keep)"),
-                     ("warmup_steps", "the script builds its own schedule (keep it with s.keep)")):  # fmt: skip
-        if getattr(train, key) != type(train).model_fields[key].default:  # a file spelling out defaults passes
-            problems.append(f"train.{key}={getattr(train, key)}: {fix}; leave train.{key} unset")
-    if problems:
-        raise ConfigError(problems, "The job config, for a session,")
 
 
 def _record_error(exc: BaseException) -> None:

@@ -1,7 +1,9 @@
 """A session's loop that ends as ``SESSION_END`` says (tests/test_session_e2e.py runs it at 2 processes under
 torchrun): ``FORM:HOW``, FORM ``with`` (``with service.Session() as s``) or ``start`` (``s =
 service.Session().start()``, module level); HOW, after step 3's body: ``break`` (every rank), ``break-rank1``
-(rank 1 only), ``exit-N`` (``sys.exit(N)``); or ``rename`` (keeps another name than the run it resumes)."""
+(rank 1 only), ``exit-N`` (``sys.exit(N)``); or ``rename`` (keeps another name than the run it resumes); or
+``epochs-N``: the script's own count, ``for epoch in s.epochs(N): for x, y in s.batches(...)``, printing each
+epoch's number and the step it starts at."""
 
 import os
 import sys
@@ -23,6 +25,16 @@ def train(s: service.Session) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     s.keep(**{"other" if how == "rename" else "net": net}, opt=opt)
     s.keep_rank(seen=service.Carry(0))  # each rank's own state: gathered from every rank at each save
+    if how.startswith("epochs-"):
+        for epoch in s.epochs(int(how.removeprefix("epochs-"))):
+            print(f"rank {s.rank}: epoch {epoch} at step {s.global_step}", flush=True)
+            for x, y in s.batches(DATA, 4):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(net(x), y)
+                loss.backward()
+                opt.step()
+                s.log(loss=loss)
+        return
     for step, (x, y) in enumerate(s.batches(DATA, 4), s.epoch_step + 1):
         opt.zero_grad()
         loss = nn.functional.mse_loss(net(x), y)
