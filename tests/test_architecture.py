@@ -12,8 +12,8 @@ from pathlib import Path
 SERVICE = Path(__file__).resolve().parent.parent / "service"
 
 # Lower layers first; a module may import its own layer and those below it, never one above.
-LAYERS = ["base", "world", "state", "telemetry", "loop", "ops", "entry"]
-BASE = {"service", "service.config", "service.config_yaml", "service.errors", "service.early", "service.version"}
+LAYERS = ["base", "world", "state", "telemetry", "data", "model", "loop", "ops", "entry"]
+BASE = {"service", "service.early", "service.version"}  # and the service.config package, the service.tasks API
 ENTRY = {"service.cli", "service.__main__", "service.entry", "service.worker"}
 HANDLERS = ("service.rendezvous.native", "service.rendezvous.dynamic")
 RDZV_TOP = {"service.rendezvous.factory", "service.rendezvous.plugin", "service.rendezvous.admin"}
@@ -23,7 +23,7 @@ PUBLIC_API = {("service", "service.loop.session"), ("service", "service.loop.kep
 
 
 def layer(module: str) -> str:
-    if module in BASE or module.startswith("service.tasks"):
+    if module in BASE or module.split(".")[:2] in (["service", "config"], ["service", "tasks"]):
         return "base"
     if module in ENTRY:
         return "entry"

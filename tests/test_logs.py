@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from service.config import TrainConfig, load_config
-from service.loop.job import LoopState
+from service.data.sampler import DataPlan
 from service.loop.roles import build_roles
-from service.loop.sampler import DataPlan
 from service.loop.train import plan_total_steps
 from service.loop.window import Window
+from service.state.loop_state import LoopState
 from service.telemetry.logs import configure_logging, log_level
 from service.telemetry.metrics import (
     LogSink,

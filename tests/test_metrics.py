@@ -266,7 +266,7 @@ def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_p
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+    from service.model.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from service.config import ConfigError, load_config
 from service.loop.kept import Kept
-from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
 from service.loop.roles import Console, LeadConsole
 from service.loop.session import Session, refuse_unused
 from service.loop.session_tools import NONFINITE_FIX, CountFeed, ToolError, _numbers, split_batch
+from service.model.nonfinite import NonfiniteError, NonfiniteGuard
 from service.state.checkpoint_io import load_tensors
 
 

@@ -20,14 +20,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from service.config import ConfigError, DataConfig, load_config
-from service.loop.feeds import MapFeed, StreamFeed, map_plan
-from service.loop.job import LoopState
+from service.data.feeds import MapFeed, StreamFeed, map_plan
+from service.data.sampler import epoch_order
 from service.loop.kept import Carry, KeepError, Kept, Variables
-from service.loop.optim import clip_setting, describe_defaults, schedule_setting
 from service.loop.runtime import Runtime
-from service.loop.sampler import epoch_order
 from service.loop.session import Session, refuse_unused, split_argv
 from service.loop.stepping import Hooks, steps
+from service.model.optim import clip_setting, describe_defaults, schedule_setting
+from service.state.loop_state import LoopState
 from service.state.snapshot_interval import SnapshotSchedule
 from service.tasks.base import Task
 
@@ -369,7 +369,7 @@ def test_a_refusal_is_an_ordinary_error_to_catch_and_an_exit_2_when_uncaught():
     import subprocess
     import sys
 
-    from service.loop.feeds import FeedError
+    from service.data.feeds import FeedError
 
     for error in (KeepError("the names differ"), FeedError("a stream saved at world size 2")):
         assert isinstance(error, Exception) and isinstance(error, SystemExit) and error.code == 2

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.errors import Refusal
-from service.loop.parallel import unwrap
+from service.config.errors import Refusal
+from service.model.parallel import unwrap
 from service.state.checkpoint_io import (  # noqa: F401 (TASK_KEPT: re-exported)
     TASK_KEPT,
     UnsafeCheckpointError,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import JobConfig
-from service.loop.data import FileSampleTrace, SampleTrace
+from service.data.loaders import FileSampleTrace, SampleTrace
 from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.resume import Resumed

@@ -25,20 +25,18 @@ from torch.nn.parallel import DataParallel
 
 from service import early
 from service.config import JobConfig
-from service.errors import Refusal
-from service.loop.batches import to_device
-from service.loop.geometry import plan_total_steps
-from service.loop.job import LoopState
+from service.config.errors import Refusal
+from service.data.batches import to_device
+from service.data.geometry import plan_total_steps
 from service.loop.kept import STREAM, Carry, Kept
-from service.loop.parallel import unwrap, wrap_model
-from service.loop.progress import Progress
 from service.loop.roles import build_roles
-from service.loop.syncbn import tick_collectives
-from service.loop.watchdog import Watchdog, watch_compilation
 from service.loop.window import Window, scalar
-from service.loop.wrapped import ServiceDDP
+from service.model.parallel import unwrap, wrap_model
+from service.model.syncbn import tick_collectives
+from service.model.wrapped import ServiceDDP
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
+from service.state.loop_state import LoopState
 from service.state.preemption import STATUS_CODES, Preemption, exit_code_of
 from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
 from service.state.resume import rng_state as saved_rng_state
@@ -46,7 +44,9 @@ from service.state.snapshot import node_area
 from service.state.snapshot_interval import SnapshotSchedule, usable_cpus
 from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import StepReport
+from service.telemetry.progress import Progress
 from service.telemetry.startup import StartupMarks
+from service.telemetry.watchdog import Watchdog, watch_compilation
 from service.world.distributed import (
     DistContext,
     all_gather_bytes,
@@ -60,8 +60,8 @@ from service.world.orphans import guard_against_orphaning
 from service.world.runlock import build_run_dir_guard
 
 if TYPE_CHECKING:
-    from service.loop.feeds import MapFeed, StreamFeed
-    from service.loop.nonfinite import NonfiniteGuard
+    from service.data.feeds import MapFeed, StreamFeed
+    from service.model.nonfinite import NonfiniteGuard
 
 log = logging.getLogger("service.loop.train")
 
@@ -238,7 +238,7 @@ class Runtime:
 
     def begin(self, feed: MapFeed | StreamFeed, why: str) -> None:
         """Training starts with ``feed``: nothing more is kept; room for the saves; the saved RNG back."""
-        from service.loop.feeds import check_stream
+        from service.data.feeds import check_stream
 
         if self.feed is feed:
             return
@@ -337,7 +337,7 @@ class Runtime:
     def finish(self, status: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The end of this start: the last checkpoint (completed or preempted), every rank past rank 0's save,
         the snapshots gone, and ``summary.json``."""
-        from service.loop.progress import CHECKPOINT
+        from service.telemetry.progress import CHECKPOINT
 
         self.progress.mark(CHECKPOINT)
         self.preemption.settle()  # a check the last steps started: every rank reads it before the saves
@@ -357,7 +357,7 @@ class Runtime:
         """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written,
         naming the first rank that failed and its own error (this one's may be the broken connection it left), with
         the exit status ``exc`` gives (a script's ``sys.exit(3)``: 3). Bad input refused before training
-        (:class:`~service.errors.Refusal`) is logged on every rank, and nothing is written."""
+        (:class:`~service.config.errors.Refusal`) is logged on every rank, and nothing is written."""
         if isinstance(exc, Refusal):
             log.error("%s", exc)
             return

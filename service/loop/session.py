@@ -22,8 +22,8 @@ that step, with its checkpoint (the step whose body broke out counts), and a rer
 must leave at the same step: the ranks agree on it through the store (:func:`~service.loop.stepping.leave`), and
 a rank that left alone ends the job within seconds, ``failed``, naming itself and the fix (``left_loop`` in
 ``summary.json``). ``sys.exit(N)`` with another code is ``failed`` with ``exit_code: N``. Bad input found at
-``s.keep`` or ``s.batches`` (:class:`~service.errors.Refusal`: a resume whose kept names differ, a stream saved at
-another world size) exits 2 on every rank with its message and no traceback, and writes nothing.
+``s.keep`` or ``s.batches`` (:class:`~service.config.errors.Refusal`: a resume whose kept names differ, a stream saved
+at another world size) exits 2 on every rank with its message and no traceback, and writes nothing.
 
 Without ``with`` (a module-level script ported with few changed lines): ``s = service.Session().start()``; the
 session then ends when the interpreter does, or at an uncaught exception (failed). Python runs that end (its
@@ -48,7 +48,7 @@ from typing import Any, Literal, NoReturn
 
 from service import early
 from service.config import ConfigError, JobConfig, apply_overrides, build_config, load_config
-from service.errors import Refusal
+from service.config.errors import Refusal
 from service.loop.session_tools import SessionTools
 from service.state.preemption import (
     EXIT_COMPLETED,
@@ -281,7 +281,7 @@ class Session(SessionTools):
 
     def _fail(self, rt: Any, exc: BaseException) -> None:
         """``status: failed`` for ``exc``; a peer that left its loop alone (the likely cause) is named first."""
-        from service.errors import Refusal
+        from service.config.errors import Refusal
         from service.loop.stepping import Left, left_peers
 
         error, extra = None, None
@@ -337,7 +337,7 @@ class Session(SessionTools):
 
     def unwrap(self, model: Any) -> Any:
         """The plain module under the wrappers ``s.model`` put around it."""
-        from service.loop.parallel import unwrap
+        from service.model.parallel import unwrap
 
         return unwrap(model)
 
@@ -355,7 +355,7 @@ class Session(SessionTools):
 
     @contextlib.contextmanager
     def _refusals(self) -> Iterator[None]:
-        from service.errors import Refusal
+        from service.config.errors import Refusal
 
         try:
             yield
@@ -411,7 +411,7 @@ class Session(SessionTools):
             )
 
     def _batches(self, feed: Any) -> Iterator[Any]:
-        from service.loop.batches import to_device
+        from service.data.batches import to_device
         from service.loop.stepping import Hooks, steps
 
         rt = self._rt
@@ -438,7 +438,7 @@ class Session(SessionTools):
 
     def _feed(self, dataset: Any, batch_size: int, collate_fn: Any, shuffle: bool, shard: bool,
               drop_last: bool) -> Any:  # fmt: skip
-        from service.loop.session_data import make_feed
+        from service.data.session_data import make_feed
 
         key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
         if key not in self._feeds:  # another dataset (one made anew each epoch): the one before is done with

@@ -23,12 +23,16 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from service.loop.batches import checked_collate, to_device
-from service.loop.data import eval_loader
-from service.loop.feeds import MapFeed, StreamFeed, is_stream
-from service.loop.geometry import batch_geometry, plan_total_steps  # noqa: F401 (plan_total_steps: re-exported)
-from service.loop.nonfinite import NonfiniteGuard
-from service.loop.optim import (
+from service.data.batches import checked_collate, to_device
+from service.data.feeds import MapFeed, StreamFeed, is_stream
+from service.data.geometry import batch_geometry, plan_total_steps  # noqa: F401 (plan_total_steps: re-exported)
+from service.data.loaders import eval_loader
+from service.data.sampler import DataPlan, StepPlan
+from service.loop.runtime import Runtime
+from service.loop.stepping import Hooks, seed_step, step_seed, steps  # noqa: F401 (step_seed, seed_step: re-exported)
+from service.loop.task_step import TaskInterfaceError, TaskStep
+from service.model.nonfinite import NonfiniteGuard
+from service.model.optim import (
     LRSchedule,
     build_optimizer,
     build_schedule,
@@ -36,18 +40,14 @@ from service.loop.optim import (
     make_optimizer,
     schedule_setting,
 )
-from service.loop.parallel import unwrap
-from service.loop.precision import Precision
-from service.loop.progress import CHECKPOINT, EVAL, OPTIMIZER, Progress
-from service.loop.runtime import Runtime
-from service.loop.sampler import DataPlan, StepPlan
-from service.loop.schedule import lr_lambda
-from service.loop.stepping import Hooks, seed_step, step_seed, steps  # noqa: F401 (step_seed, seed_step: re-exported)
-from service.loop.steps import TaskInterfaceError, TaskStep
+from service.model.parallel import unwrap
+from service.model.precision import Precision
+from service.model.schedule import lr_lambda
 from service.state.weights import init_model
 from service.tasks.base import Task
 from service.tasks.loader import load_task
 from service.telemetry.metrics import EvalReport
+from service.telemetry.progress import CHECKPOINT, EVAL, OPTIMIZER, Progress
 from service.world.distributed import all_agree
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ buffer broadcast comes first, which is the default.
 * :class:`AllreduceTimer` times the gradient all-reduce (a DDP comm hook).
 * :class:`WaitClock` sums the other collectives of a step: DDP's pre-forward
   work (the buffer broadcast), timed by two forward pre-hooks, and the CPU
-  SyncBatchNorm's all-reduces (``service.loop.syncbn``), timed around each call.
+  SyncBatchNorm's all-reduces (``service.model.syncbn``), timed around each call.
 
 On NCCL the host does not block in a collective (the work is queued on a CUDA
 stream), so these timers see only the launch: the score is as good as the
@@ -130,5 +130,5 @@ def instrument(model: Any, allreduce: AllreduceTimer | None, waits: WaitClock | 
         model.register_forward_pre_hook(pre_forward.enter)
         model.module.register_forward_pre_hook(pre_forward.leave)
         for module in model.modules():
-            if hasattr(module, "wait_clock"):  # a layer that times its own collectives (loop.syncbn)
+            if hasattr(module, "wait_clock"):  # a layer that times its own collectives (model.syncbn)
                 setattr(module, "wait_clock", waits)  # noqa: B010 (any module with that slot, not one class)

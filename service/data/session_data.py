@@ -1,4 +1,4 @@
-"""The data of a session's ``s.batches``: its dataset as a feed (:mod:`service.loop.feeds`), checked first."""
+"""The data of a session's ``s.batches``: its dataset as a feed (:mod:`service.data.feeds`), checked first."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
-from service.loop.batches import checked_collate
-from service.loop.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
+from service.data.batches import checked_collate
+from service.data.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
 from service.world.distributed import all_agree
 
 _REPLACEMENT = ("a sampler that draws with replacement has no s.batches form: s.batches draws a permutation each "
