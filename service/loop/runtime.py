@@ -70,6 +70,12 @@ class WrapError(TypeError):
     """A module handed to ``model`` cannot be wrapped as given; the message names the call and the fix."""
 
 
+class UsageError(WrapError):
+    """A call of the run's API in the wrong order (training before anything is kept) or with data that does not
+    fit this run (another dataset); the message names the call and the fix. A ``WrapError`` only so that code
+    that caught these as one before still does."""
+
+
 def last_attempt(world: WorldInfo) -> bool:
     """No restart of this node's workers will come: what this start leaves in shared memory, nobody reads."""
     return world.restart_count >= world.max_restarts
@@ -183,7 +189,7 @@ class Runtime:
                             f"module ({call} moves it to the device, converts its BatchNorm and wraps it itself), "
                             "e.g. the .module of your wrapper.")  # fmt: skip
         if self.feed is not None:
-            raise WrapError(
+            raise UsageError(
                 f"{call}(...) came after training started (the first s.batches); wrap every model "
                 "before it, so that its state is kept and restored before the first step."
             )
@@ -236,7 +242,7 @@ class Runtime:
         self.total_steps = plan_total_steps(feed, state, self.config.train)
         return self.total_steps
 
-    def begin(self, feed: MapFeed | StreamFeed, why: str) -> None:
+    def begin(self, feed: MapFeed | StreamFeed, call: str) -> None:
         """Training starts with ``feed``: nothing more is kept; room for the saves; the saved RNG back."""
         from service.data.feeds import check_stream
 
@@ -244,7 +250,7 @@ class Runtime:
             return
         if self.feed is not None:  # another dataset object: the same data made anew (a range each epoch) is fine
             if feed.signature() != self.feed.signature():
-                raise WrapError(f"{why}: this run trains on one dataset, and another came ({feed.signature()} after "
+                raise UsageError(f"{call}: this run trains on one dataset, and another came ({feed.signature()} after "
                                 f"{self.feed.signature()}: kind, length, step size, ...); pass the same data with "
                                 "the same batch_size, shuffle, shard and drop_last to every s.batches call of a "
                                 "session.")  # fmt: skip
@@ -257,10 +263,10 @@ class Runtime:
                          self.config.data.stream_resume)  # fmt: skip
             self.kept.per_rank[STREAM] = feed
         if not self.kept.shared and not self.kept.per_rank:
-            raise WrapError(f"{why} came before any s.keep(...): nothing would be in the checkpoints, and a resume "
+            raise UsageError(f"{call} came before any s.keep(...): nothing would be in the checkpoints, and a resume "
                             "would start your models afresh. Keep them first: s.keep(model=model, "
                             "optimizer=optimizer).")  # fmt: skip
-        self.kept.close(why)
+        self.kept.close(call)
         self.feed = feed
         if not self.total_steps:
             self.plan(feed)

@@ -420,7 +420,7 @@ class Session(SessionTools):
         self._running = True
         try:
             with self._refusals():  # the resume's checks of the data, at the first step
-                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
+                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, call="s.batches(...)"):
                     yield to_device(fed.batches[0], rt.device, non_blocking=True)
                     self._ending = None  # the loop went on: a sys.exit the script caught is no end
         finally:

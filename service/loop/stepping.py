@@ -63,10 +63,10 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
 
 
 def steps(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks = Hooks(), one_epoch: bool = False,
-          why: str = "s.batches(...)") -> Iterator[Fed]:  # fmt: skip
+          call: str = "s.batches(...)") -> Iterator[Fed]:  # fmt: skip
     """The run's steps from where it stands to ``total_steps`` (``one_epoch``: to the end of this epoch); on a stop
     agreed by the ranks, ``rt.stopped`` says why (the step that just ran is kept)."""
-    rt.begin(feed, why)
+    rt.begin(feed, call)
     state, epochs = rt.state, rt.config.train.epochs
     while rt.stopped is None:
         if stop := rt.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint

@@ -270,7 +270,7 @@ def train(job: TaskJob) -> dict[str, Any]:
     rt, loop = job.runtime, TaskLoop(job)
     step = job.step
     try:
-        for fed in steps(rt, job.feed, loop.hooks(), why="the task loop's first step"):
+        for fed in steps(rt, job.feed, loop.hooks(), call="the task loop's first step"):
             loss = optimizer_step(job, fed.plan, fed.batches, rt.state.global_step + 1)
             rt.log({"loss": loss, **step.take_extras()}, call="the task's step_fn")
             fed.tokens = step.count_tokens(fed.batches, [part.real for part in fed.plan.micro])
