@@ -91,7 +91,7 @@ def test_no_bar_off_a_terminal_and_on_one_log_lines_print_above_it(service_logge
 def sinks(tmp_path: Path, rank: int, terminal: bool, *overrides: str) -> list:
     config = load_config(None, [f"run_dir={tmp_path}", "metrics.tensorboard=false", *overrides])
     world = WorldInfo("torchrun", rank=rank, local_rank=rank, world_size=2, local_world_size=2)
-    roles = build_roles(config, world, 10, "hash", terminal=terminal)
+    roles = build_roles(config, world, total_steps=10, config_hash="hash", terminal=terminal)
     roles.close()
     return list(roles.sink.sinks)  # type: ignore[attr-defined]
 

@@ -196,7 +196,7 @@ def test_port_auto_binds_a_free_port_per_rank_and_logs_it(tmp_path: Path, caplog
         with caplog.at_level("INFO", logger="service.loop.train"):
             for rank in (0, 1):
                 world = WorldInfo("torchrun", rank=rank, local_rank=rank, world_size=2, local_world_size=2)
-                roles.append(build_roles(config, world, 10, "hash"))
+                roles.append(build_roles(config, world, total_steps=10, config_hash="hash"))
         logged = [int(port) for port in re.findall(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", caplog.text)]
         for role in roles:
             (sink,) = [s for s in role.sink.sinks if isinstance(s, PrometheusSink)]  # type: ignore[attr-defined]

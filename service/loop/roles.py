@@ -76,7 +76,7 @@ class Roles:
         self.sink.close()
 
 
-def build_roles(config: JobConfig, world: WorldInfo, total_steps: int | None, config_hash: str,
+def build_roles(config: JobConfig, world: WorldInfo, *, config_hash: str, total_steps: int | None = None,
                 device_is_cuda: bool = False, resumed: Resumed | None = None,
                 lineage: str | None = None, backend: str = "none", terminal: bool = False,
                 snapshot_area: Area | None = None, startup: StartTimes | None = None) -> Roles:  # fmt: skip

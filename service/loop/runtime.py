@@ -90,16 +90,44 @@ class Runtime:
         self.label = label or config.task
         self.device = dist_ctx.device
         self.control = dist_ctx.control
-        times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0, world.started_for)
-        self.startup = StartupMarks(times.process_start)  # summary.json's startup: each phase's end
-        for name, at in (("entry", early.started()), ("imports", imported), ("group_began", dist_ctx.began),
-                         ("group_up", dist_ctx.up)):  # fmt: skip
-            if at is not None:
-                self.startup.mark(name, at)
+        self._mark_start(imported)
         check_same_config(config, world.world_size, self.control)
         self.startup.mark("config_agreed")
         preemption.connect(any_rank(self.control))
         torch.manual_seed(config.seed)
+        self._agree_on_checkpoint()
+        self.digest = config_hash(config)
+        self.config_json = config.model_dump(mode="json")
+        self.state = LoopState(**self.resumed.state["loop"]) if self.resumed else LoopState()
+        self.progress = Progress(self.state.global_step)
+        times = StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds, self.state.global_step,
+                              world.started_for)  # fmt: skip
+        self.roles = build_roles(config, world, config_hash=self.digest, device_is_cuda=dist_ctx.is_cuda,
+                                 resumed=self.resumed, lineage=self.lineage, backend=dist_ctx.backend,
+                                 terminal=terminal, snapshot_area=self.area, startup=times)  # fmt: skip
+        self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
+                         str(self.resumed.file) if self.resumed else "")  # fmt: skip
+        self.snapshot_schedule = self._snapshot_schedule()
+        self.window = Window(self.device, sum_across(self.control),
+                             lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
+        self._loop_fields()
+        abandon = self.roles.snapshots.abandon if last_attempt(world) else lambda: None
+        self.watchdog = Watchdog.for_job(config, world, dist_ctx, self.progress, preemption, self.roles.sink, abandon)
+        self.watchdog.start()
+        self.startup.mark("runtime")
+
+    def _mark_start(self, imported: float | None) -> None:
+        """summary.json's startup: each phase's end, from the process's start (the entry, the imports, the group)."""
+        times = StartTimes.of(self.dist_ctx.began, self.dist_ctx.up, 0.0, 0, self.world.started_for)
+        self.startup = StartupMarks(times.process_start)
+        for name, at in (("entry", early.started()), ("imports", imported), ("group_began", self.dist_ctx.began),
+                         ("group_up", self.dist_ctx.up)):  # fmt: skip
+            if at is not None:
+                self.startup.mark(name, at)
+
+    def _agree_on_checkpoint(self) -> None:
+        """The ranks agree on the checkpoint (or snapshot) to resume from, if any; the job's lineage."""
+        config, world = self.config, self.world
         checkpoints = Path(config.run_dir) / "checkpoints"
         own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
         self.area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id, agent=world.agent_pid)
@@ -114,25 +142,20 @@ class Runtime:
         # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank
         # writes it (a survivor of a lost node writes the next ones; its restarts under resume=never look for it).
         self.lineage = own or (self.resumed.state.get("lineage") if self.resumed else fresh_lineage(self.control))
-        self.digest = config_hash(config)
-        self.config_json = config.model_dump(mode="json")
-        self.state = LoopState(**self.resumed.state["loop"]) if self.resumed else LoopState()
-        self.progress = Progress(self.state.global_step)
-        self.roles = build_roles(config, world, None, self.digest, dist_ctx.is_cuda, self.resumed, self.lineage,
-                                 dist_ctx.backend, terminal, self.area,
-                                 StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds,
-                                               self.state.global_step, world.started_for))  # fmt: skip
-        self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
-                         str(self.resumed.file) if self.resumed else "")  # fmt: skip
-        self.snapshot_schedule = SnapshotSchedule(
-            config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
-            agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
-            ranks_here=world.local_world_size, cpus=usable_cpus(),
-            max_seconds=config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
+
+    def _snapshot_schedule(self) -> SnapshotSchedule:
+        """The steps the in-memory snapshots are taken at: the same on every rank (measured, agreed)."""
+        return SnapshotSchedule(
+            self.config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
+            agree=largest_across(self.control),
+            sync=torch.cuda.synchronize if self.dist_ctx.is_cuda else lambda: None,
+            ranks_here=self.world.local_world_size, cpus=usable_cpus(),
+            max_seconds=self.config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
             recent=self.roles.snapshots.recent,
         )  # fmt: skip
-        self.window = Window(self.device, sum_across(self.control),
-                             lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
+
+    def _loop_fields(self) -> None:
+        """What a loop fills in: its models, its feed, its plan, how it ended."""
         self.models: list[nn.Module] = []
         self.feed: MapFeed | StreamFeed | None = None
         self.total_steps = 0
@@ -146,17 +169,6 @@ class Runtime:
         self.evaluated: dict[str, float] = {}  # a script's s.log outside a step: its latest world means
         self.resize_advice = "set train.global_batch_size to keep it constant across resizes"
         self._rank_kept: dict[str, Any] = {}
-        self.watchdog = Watchdog.for_job(
-            config,
-            world,
-            dist_ctx,
-            self.progress,
-            preemption,
-            self.roles.sink,
-            self.roles.snapshots.abandon if last_attempt(world) else lambda: None,
-        )
-        self.watchdog.start()
-        self.startup.mark("runtime")
 
     @classmethod
     @contextlib.contextmanager
