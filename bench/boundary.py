@@ -280,7 +280,7 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
         ("data/feeds.py", "*"),
         ("data/sampler.py", "*"),
         ("data/batches.py", "*"),
-        ("data/session_data.py", "*"),
+        ("data/dataset_feed.py", "*"),
     ),  # fmt: skip
 }
 

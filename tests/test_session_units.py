@@ -20,8 +20,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from service.config import ConfigError, DataConfig, load_config
-from service.data.feeds import MapFeed, StreamFeed, map_plan
-from service.data.sampler import epoch_order
+from service.data.dataset_feed import dataset_feed
+from service.data.feeds import FeedError, MapFeed, StreamFeed, map_plan
+from service.data.sampler import DataPlan, epoch_order
 from service.loop.kept import Carry, KeepError, Kept, Variables
 from service.loop.runtime import Runtime
 from service.loop.session import Session, refuse_unused, split_argv
@@ -235,6 +236,21 @@ def test_a_second_s_batches_with_another_drop_last_is_another_feed_which_the_run
     assert kept is not dropped and kept.plan.tail == "keep" and dropped.plan.tail == "drop"
     assert kept.signature() != dropped.signature()
     assert (dropped.plan.steps_in_epoch(0), kept.plan.steps_in_epoch(0)) == (3, 4)
+
+
+def test_the_task_loop_and_a_session_build_their_feeds_in_one_factory():
+    """Issue 37: one feed factory for both doors. The task loop's plan (``tail="fill"``, its micro-steps) is the
+    one it built on its own before: 2 ranks x 2 samples x 2 micro-steps a step; a stream with micro-steps is
+    refused before any work, naming the settings to leave unset."""
+    rt = SimpleNamespace(config=load_config(None), world=SimpleNamespace(world_size=2, rank=1), control=None,
+                         label="task", resumed=None)  # fmt: skip
+    feed = dataset_feed(rt, list(range(10)), 2, tail="fill", micro_steps=2, call="the task 'x''s train_set")
+    assert feed.plan == DataPlan(10, rt.config.seed, 8, 2, 1, 2)
+    assert (feed.plan.steps_in_epoch(0), feed.plan.end) == (2, 10)  # the last step filled from the epoch's start
+    session_feed = dataset_feed(rt, list(range(10)), 2, tail="keep")
+    assert session_feed.plan == DataPlan(10, rt.config.seed, 4, 2, 1, 1, tail="keep")
+    with pytest.raises(FeedError, match=r"the task 'x''s train_set got a stream.*Leave train\.grad_accum"):
+        dataset_feed(rt, Counting(8), 2, tail="fill", micro_steps=2, call="the task 'x''s train_set")
 
 
 class Counting(torch.utils.data.IterableDataset):

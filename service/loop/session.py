@@ -438,11 +438,19 @@ class Session(SessionTools):
 
     def _feed(self, dataset: Any, batch_size: int, collate_fn: Any, shuffle: bool, shard: bool,
               drop_last: bool) -> Any:  # fmt: skip
-        from service.data.session_data import make_feed
+        from service.data.dataset_feed import dataset_feed
 
         key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
         if key not in self._feeds:  # another dataset (one made anew each epoch): the one before is done with
-            feed = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+            feed = dataset_feed(
+                self._rt,
+                dataset,
+                batch_size,
+                collate_fn,
+                shuffle=shuffle,
+                shard=shard,
+                tail="drop" if drop_last else "keep",
+            )
             self._close_feeds()
             self._feeds[key] = feed
         return self._feeds[key]
