@@ -93,6 +93,14 @@ def test_no_module_takes_a_name_from_the_root_package() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_top_level_holds_the_entry_points_and_the_config_alone() -> None:
+    """Issue 37: the top of service/ is the program's entry points, the version (a leaf the root package reads
+    without climbing) and the config package; everything else sits in a package of its layer."""
+    loose = sorted(path.stem for path in SERVICE.glob("*.py") if path.stem not in ("__init__", "__main__"))
+    assert loose == ["cli", "early", "entry", "version", "worker"], loose
+    assert (SERVICE / "config" / "__init__.py").is_file()
+
+
 def violation(src: str, dst: str) -> str | None:
     """Why ``src`` may not import ``dst``, or None."""
     if src.startswith("service.tasks") and not dst.startswith("service.tasks"):
