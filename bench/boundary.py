@@ -310,11 +310,14 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     "sinks: Prometheus": (("telemetry/metrics.py", "PrometheusSink"),),
     "sinks: TensorBoard": (("telemetry/metrics.py", "TensorBoardSink"),),
     "sinks: log line, fan-out, goodput": (("telemetry/metrics.py", "*"), ("telemetry/goodput.py", "*")),
-    "trace (off: a null object)": (("loop/data.py", "record"),),
-    "progress marks (boundary)": (("loop/progress.py", "stepped"), ("loop/progress.py", "mark")),
-    "forward marks (watchdog)": (("loop/progress.py", "forward_started"), ("loop/progress.py", "forward_done")),
-    "DDP wrapper's own code": (("loop/wrapped.py", "forward"),),
-    "task step: non-finite guard, clip (bare clips too)": (("loop/nonfinite.py", "*"),),
+    "trace (off: a null object)": (("data/loaders.py", "record"),),
+    "progress marks (boundary)": (("telemetry/progress.py", "stepped"), ("telemetry/progress.py", "mark")),
+    "forward marks (watchdog)": (
+        ("telemetry/progress.py", "forward_started"),
+        ("telemetry/progress.py", "forward_done"),
+    ),
+    "DDP wrapper's own code": (("model/wrapped.py", "forward"),),
+    "task step: non-finite guard, clip (bare clips too)": (("model/nonfinite.py", "*"),),
     "task step: LR schedule": (("torch/optim/lr_scheduler.py", "step"),),
     "task step: its own code (train.py)": (("loop/train.py", "optimizer_step"),),
     "preemption check": (("state/preemption.py", "*"),),
@@ -327,10 +330,10 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     ),  # fmt: skip
     "comm hook (main thread part)": (("telemetry/commtiming.py", "*"),),
     "data path (plan, collate, to device)": (
-        ("loop/feeds.py", "*"),
-        ("loop/sampler.py", "*"),
-        ("loop/batches.py", "*"),
-        ("loop/session_data.py", "*"),
+        ("data/feeds.py", "*"),
+        ("data/sampler.py", "*"),
+        ("data/batches.py", "*"),
+        ("data/dataset_feed.py", "*"),
     ),  # fmt: skip
 }
 

@@ -73,7 +73,7 @@ def test_eval_of_two_ranks_equals_one_rank_on_the_same_weights(tmp_path: Path) -
 @pytest.mark.e2e
 def test_each_epoch_feeds_its_own_permutation(tmp_path: Path) -> None:
     """What the DataLoader really fetched (not what the plan says) is epoch e's permutation, for e = 0, 1, 2."""
-    from service.loop.sampler import epoch_order
+    from service.data.sampler import epoch_order
 
     size, epochs, seed = 24, 3, 5
     record = tmp_path / "record"

@@ -121,13 +121,13 @@ class _Gradients:
 def _rank_gradients(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], global_batch: int, world: int,
                     rank: int, micro_steps: int) -> list[list[torch.Tensor]]:  # fmt: skip
     """The real optimizer_step on one rank's real plan for epoch 0, at fixed weights: each step's gradient."""
-    from service.loop.precision import Precision
-    from service.loop.progress import Progress
-    from service.loop.sampler import DataPlan
-    from service.loop.steps import TaskStep
+    from service.data.sampler import DataPlan
+    from service.loop.task_step import TaskStep
     from service.loop.train import optimizer_step
+    from service.model.precision import Precision
     from service.state.snapshot import Snapshots
     from service.tasks.base import Task
+    from service.telemetry.progress import Progress
 
     inputs, targets = data
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -181,7 +181,7 @@ def test_ranks_average_to_the_one_rank_gradient_over_a_whole_uneven_epoch(length
 def test_a_skipped_nan_step_moves_no_weight_and_no_optimizer_state(tmp_path: Path, optimizer: str,
                                                                   grad_clip: float | None) -> None:  # fmt: skip
     """After a good step (momentum and Adam moments are non-zero), a nan step under ``skip`` changes nothing."""
-    from service.loop.nonfinite import NonfiniteGuard
+    from service.model.nonfinite import NonfiniteGuard
 
     torch.manual_seed(0)
     model = nn.Linear(4, 3)

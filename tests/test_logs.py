@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from service.config import TrainConfig, load_config
-from service.loop.job import LoopState
+from service.data.sampler import DataPlan
 from service.loop.roles import build_roles
-from service.loop.sampler import DataPlan
 from service.loop.train import plan_total_steps
 from service.loop.window import Window
+from service.state.loop_state import LoopState
 from service.telemetry.logs import configure_logging, log_level
 from service.telemetry.metrics import (
     LogSink,
@@ -91,7 +91,7 @@ def test_no_bar_off_a_terminal_and_on_one_log_lines_print_above_it(service_logge
 def sinks(tmp_path: Path, rank: int, terminal: bool, *overrides: str) -> list:
     config = load_config(None, [f"run_dir={tmp_path}", "metrics.tensorboard=false", *overrides])
     world = WorldInfo("torchrun", rank=rank, local_rank=rank, world_size=2, local_world_size=2)
-    roles = build_roles(config, world, 10, "hash", terminal=terminal)
+    roles = build_roles(config, world, total_steps=10, config_hash="hash", terminal=terminal)
     roles.close()
     return list(roles.sink.sinks)  # type: ignore[attr-defined]
 

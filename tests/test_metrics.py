@@ -285,7 +285,7 @@ def test_port_auto_binds_a_free_port_per_rank_and_logs_it(tmp_path: Path, caplog
         with caplog.at_level("INFO", logger="service.loop.train"):
             for rank in (0, 1):
                 world = WorldInfo("torchrun", rank=rank, local_rank=rank, world_size=2, local_world_size=2)
-                roles.append(build_roles(config, world, 10, "hash"))
+                roles.append(build_roles(config, world, total_steps=10, config_hash="hash"))
         logged = [int(port) for port in re.findall(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", caplog.text)]
         for role in roles:
             (sink,) = [s for s in role.sink.sinks if isinstance(s, PrometheusSink)]  # type: ignore[attr-defined]
@@ -357,8 +357,8 @@ def test_the_wait_clock_times_the_buffer_broadcast_and_syncbn_but_not_eval(tmp_p
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
-    from service.loop.wrapped import ServiceDDP
+    from service.model.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+    from service.model.wrapped import ServiceDDP
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

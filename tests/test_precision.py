@@ -14,10 +14,10 @@ from torch import nn
 
 from service.config import ConfigError, build_config
 from service.loop.kept import Kept
-from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
-from service.loop.parallel import compile_in_place, unwrap
-from service.loop.precision import Precision, PrecisionStateError
-from service.loop.schedule import lr_factor
+from service.model.nonfinite import NonfiniteError, NonfiniteGuard
+from service.model.parallel import compile_in_place, unwrap
+from service.model.precision import Precision, PrecisionStateError
+from service.model.schedule import lr_factor
 from service.state.resume import config_hash, incompatible_fields
 
 CPU = torch.device("cpu")

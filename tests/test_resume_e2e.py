@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
 from procs import _children_map, worker_pids
 
-from service.loop.sampler import permutation
+from service.data.sampler import permutation
 
 pytestmark = pytest.mark.e2e
 

@@ -31,8 +31,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from service.config import ConfigError, JobConfig, TrainConfig, load_config
-from service.loop.job import LoopState
-from service.loop.sampler import DataPlan, PlanSampler, permutation
+from service.data.sampler import DataPlan, PlanSampler, permutation
 from service.loop.train import batch_geometry, plan_total_steps
 from service.state import checkpoint_io
 from service.state.checkpoint import Rank0Checkpointer, archive_existing
@@ -49,6 +48,7 @@ from service.state.checkpoint_io import (
     state_name,
     write_checkpoint,
 )
+from service.state.loop_state import LoopState
 from service.state.resume import config_hash, incompatible_fields
 
 HASH = config_hash(JobConfig())
@@ -180,7 +180,7 @@ def test_the_feed_gives_each_step_the_plan_of_the_batches_it_fetched(workers):
     step the feed yields holds the plan of exactly its own batches, epoch after epoch, from a cursor, and after a
     pass left early (a loop's break) with plans read ahead."""
     from service.config import DataConfig
-    from service.loop.feeds import MapFeed
+    from service.data.feeds import MapFeed
 
     length, plan = 23, DataPlan(23, 3, 7, 3, 1, 2)
     feed = MapFeed(TensorDataset(torch.arange(length)), plan, DataConfig(num_workers=workers), 0, None)
@@ -875,7 +875,7 @@ def test_loader_workers_signalled_as_they_start_live_on_and_the_trainer_keeps_it
     from torch.utils.data._utils import signal_handling
 
     from service.config import DataConfig
-    from service.loop.data import eval_loader
+    from service.data.loaders import eval_loader
     from service.state.preemption import Preemption, held_back
     from service.world.env import WorldInfo
 

@@ -296,9 +296,15 @@ def test_misuses_of_the_session_api_are_named_with_their_fix(tmp_path: Path) -> 
     found = json.loads(out.read_text())
     expected = {
         "batches_before_keep": (
-            "WrapError",
+            "UsageError",
             r"s\.batches\(\.\.\.\) came before any s\.keep\(\.\.\.\).*Keep them first",
         ),
+        "batches_of_another_dataset": (
+            "UsageError",
+            r"s\.batches\(\.\.\.\): this run trains on one dataset, and "
+            r"another came.*pass the same data",
+        ),
+        "model_after_training_started": ("UsageError", r"s\.model\(\.\.\.\) came after training started"),
         "keep_after_training_started": ("KeepError", r"s\.keep\(opt\) came after s\.batches.*Move the s\.keep"),
         "keep_without_state_dict": ("KeepError", r"s\.keep\(lr=\.\.\.\) got a float, which has no state_dict"),
         "model_of_a_wrapped_module": ("WrapError", r"s\.model\(\.\.\.\) got a model it wrapped already"),

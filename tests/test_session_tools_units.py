@@ -16,15 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.config import ConfigError, load_config
-from service.loop.geometry import plan_total_steps
-from service.loop.job import LoopState
+from service.data.geometry import plan_total_steps
 from service.loop.kept import Kept
-from service.loop.nonfinite import NonfiniteError, NonfiniteGuard
 from service.loop.roles import Console, LeadConsole
 from service.loop.session import Session, SessionError, refuse_unused
 from service.loop.session_loop import EpochCount
 from service.loop.session_tools import NONFINITE_FIX, CountFeed, ToolError, _numbers, split_batch
+from service.model.nonfinite import NonfiniteError, NonfiniteGuard
 from service.state.checkpoint_io import load_tensors
+from service.state.loop_state import LoopState
 
 
 @given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 4))

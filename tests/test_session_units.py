@@ -20,14 +20,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from service.config import ConfigError, DataConfig, load_config
-from service.loop.feeds import MapFeed, StreamFeed, map_plan
-from service.loop.job import LoopState
+from service.data.dataset_feed import dataset_feed
+from service.data.feeds import FeedError, MapFeed, StreamFeed, map_plan
+from service.data.sampler import DataPlan, epoch_order
 from service.loop.kept import Carry, KeepError, Kept, Variables
-from service.loop.optim import clip_setting, describe_defaults, schedule_setting
 from service.loop.runtime import Runtime
-from service.loop.sampler import epoch_order
 from service.loop.session import Session, refuse_unused, split_argv
 from service.loop.stepping import Hooks, steps
+from service.model.optim import clip_setting, describe_defaults, schedule_setting
+from service.state.loop_state import LoopState
 from service.state.snapshot_interval import SnapshotSchedule
 from service.tasks.base import Task
 
@@ -237,6 +238,21 @@ def test_a_second_s_batches_with_another_drop_last_is_another_feed_which_the_run
     assert (dropped.plan.steps_in_epoch(0), kept.plan.steps_in_epoch(0)) == (3, 4)
 
 
+def test_the_task_loop_and_a_session_build_their_feeds_in_one_factory():
+    """Issue 37: one feed factory for both doors. The task loop's plan (``tail="fill"``, its micro-steps) is the
+    one it built on its own before: 2 ranks x 2 samples x 2 micro-steps a step; a stream with micro-steps is
+    refused before any work, naming the settings to leave unset."""
+    rt = SimpleNamespace(config=load_config(None), world=SimpleNamespace(world_size=2, rank=1), control=None,
+                         label="task", resumed=None)  # fmt: skip
+    feed = dataset_feed(rt, list(range(10)), 2, tail="fill", micro_steps=2, call="the task 'x''s train_set")
+    assert feed.plan == DataPlan(10, rt.config.seed, 8, 2, 1, 2)
+    assert (feed.plan.steps_in_epoch(0), feed.plan.end) == (2, 10)  # the last step filled from the epoch's start
+    session_feed = dataset_feed(rt, list(range(10)), 2, tail="keep")
+    assert session_feed.plan == DataPlan(10, rt.config.seed, 4, 2, 1, 1, tail="keep")
+    with pytest.raises(FeedError, match=r"the task 'x''s train_set got a stream.*Leave train\.grad_accum"):
+        dataset_feed(rt, Counting(8), 2, tail="fill", micro_steps=2, call="the task 'x''s train_set")
+
+
 class Counting(torch.utils.data.IterableDataset):
     """A stream of 0, 1, 2, ... (``length`` items; ``len`` when ``sized``), with a position a resume loads."""
 
@@ -369,7 +385,7 @@ def test_a_refusal_is_an_ordinary_error_to_catch_and_an_exit_2_when_uncaught():
     import subprocess
     import sys
 
-    from service.loop.feeds import FeedError
+    from service.data.feeds import FeedError
 
     for error in (KeepError("the names differ"), FeedError("a stream saved at world size 2")):
         assert isinstance(error, Exception) and isinstance(error, SystemExit) and error.code == 2
@@ -430,7 +446,7 @@ def test_the_steps_seed_gives_the_states_random_numpy_and_torch_give_for_that_se
 def test_a_plan_read_through_blocks_of_the_order_is_the_plan_read_from_the_tensor(length, batch, world, micro, at):
     """Issue 38: the steps of an epoch slice its order from a block of Python ints, not the tensor (4 µs a step):
     every step's plan is the same, across block edges and at the epoch's end."""
-    from service.loop.sampler import Blocks, DataPlan
+    from service.data.sampler import Blocks, DataPlan
 
     plan = DataPlan(length, 3, batch * world, world, world - 1, micro, tail="fill")
     order = epoch_order(length, 3, 1)

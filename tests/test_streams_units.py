@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from service.config import DataConfig
-from service.loop.data import shut_down
-from service.loop.feeds import StreamFeed, is_hf_stream, is_stream
+from service.data.feeds import StreamFeed, is_hf_stream, is_stream
+from service.data.loaders import shut_down
 from service.loop.kept import KeepError, check_loadable
 from service.state.checkpoint_io import _RESUME_FIX
 from service.state.preemption import ignore_in_data_workers

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from service.config import load_config
-from service.loop.batches import BatchError, checked_collate, leading_size, tensors, to_device
-from service.loop.optim import LRSchedule, build_optimizer, build_schedule
-from service.loop.steps import TaskInterfaceError, TaskStep
+from service.config.errors import TaskInterfaceError
+from service.data.batches import BatchError, checked_collate, leading_size, tensors, to_device
+from service.loop.task_step import TaskStep
+from service.model.optim import LRSchedule, build_optimizer, build_schedule
 from service.tasks.base import Task
 
 Pair = collections.namedtuple("Pair", ["x", "y"])

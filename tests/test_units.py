@@ -12,15 +12,15 @@ import torch.distributed as dist
 from torch import nn
 
 from service.config import TrainConfig, load_config
-from service.errors import INPLACE_MARKER, InplaceGradientError, backward
-from service.loop.job import LoopState
-from service.loop.parallel import wants_sync_batchnorm, wrap_model
-from service.loop.sampler import DataPlan
-from service.loop.schedule import lr_factor
-from service.loop.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+from service.config.errors import INPLACE_MARKER, InplaceGradientError, backward
+from service.data.sampler import DataPlan
 from service.loop.train import batch_geometry, plan_total_steps
+from service.model.parallel import wants_sync_batchnorm, wrap_model
+from service.model.schedule import lr_factor
+from service.model.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 from service.state.checkpoint import Rank0Checkpointer
 from service.state.checkpoint_io import candidate_steps
+from service.state.loop_state import LoopState
 from service.telemetry.summary import JsonSummaryWriter, model_digest
 from service.world.distributed import attempt_store, select_backend, select_device, store_namespace
 from service.world.env import EnvError, WorldInfo
@@ -219,13 +219,13 @@ def test_the_optimizer_step_lists_the_model_parameters_once_per_job_not_per_step
     import contextlib
     import types
 
-    from service.loop.nonfinite import NonfiniteGuard
-    from service.loop.precision import Precision
-    from service.loop.progress import Progress
-    from service.loop.steps import TaskStep
+    from service.loop.task_step import TaskStep
     from service.loop.train import optimizer_step
+    from service.model.nonfinite import NonfiniteGuard
+    from service.model.precision import Precision
     from service.state.snapshot import Snapshots
     from service.tasks.base import Task
+    from service.telemetry.progress import Progress
 
     torch.manual_seed(0)
     data = (torch.randn(12, 5), torch.randn(12, 1))

@@ -23,7 +23,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.config import ConfigError, load_config
-from service.loop.progress import (
+from service.state.preemption import Preemption
+from service.state.resume import config_hash
+from service.telemetry.hangs import append_hang, read_hangs, tally
+from service.telemetry.metrics import MetricsSink, PrometheusSink
+from service.telemetry.progress import (
     AUTO_FLOOR,
     BACKWARD,
     CHECKPOINT,
@@ -37,11 +41,7 @@ from service.loop.progress import (
     p99,
     teardown_grace,
 )
-from service.loop.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks, parse_record
-from service.state.preemption import Preemption
-from service.state.resume import config_hash
-from service.telemetry.hangs import append_hang, read_hangs, tally
-from service.telemetry.metrics import MetricsSink, PrometheusSink
+from service.telemetry.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks, parse_record
 from service.world.env import WorldInfo
 
 seconds = st.floats(min_value=1e-6, max_value=1e5, allow_nan=False, allow_infinity=False)

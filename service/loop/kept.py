@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.errors import Refusal
-from service.loop.parallel import unwrap
+from service.config.errors import Refusal
+from service.model.parallel import unwrap
 from service.state.checkpoint_io import (  # noqa: F401 (TASK_KEPT: re-exported)
     TASK_KEPT,
     UnsafeCheckpointError,
@@ -207,7 +207,7 @@ class Kept:
                         "rank's own state has no owner here, so they start as the script built them",
                         ", ".join(names), self.resumed.get("world_size"), self.world_size)  # fmt: skip
 
-    def close(self, why: str) -> None:
+    def close(self, call: str) -> None:
         """Training starts: every saved name must have been kept (the missing ones are named), and no more keeping."""
         if self.resumed is not None:
             missing = [name for name in kept_names(self.resumed) if name not in self.shared]
@@ -216,10 +216,10 @@ class Kept:
             if missing or missing_rank:
                 listed = ", ".join([*missing, *(f"{name} (per rank)" for name in missing_rank)])
                 raise KeepError(f"the checkpoint this run resumes from ({self.source}) holds {listed}, which this "
-                                f"run never kept before {why}. Missing: {listed}. Keep every object the run it "
+                                f"run never kept before {call}. Missing: {listed}. Keep every object the run it "
                                 "resumes kept (s.keep / s.keep_rank), or start afresh with --set "
                                 "checkpoint.resume=never.")  # fmt: skip
-        self.closed_for = why
+        self.closed_for = call
 
     # ------------------------------------------------------------------ saving
     def check_loadable(self) -> None:

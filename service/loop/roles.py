@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import JobConfig
-from service.loop.data import FileSampleTrace, SampleTrace
+from service.data.loaders import FileSampleTrace, SampleTrace
 from service.state.best import BestRule
 from service.state.checkpoint import Checkpointer, Rank0Checkpointer
 from service.state.resume import Resumed
@@ -76,7 +76,7 @@ class Roles:
         self.sink.close()
 
 
-def build_roles(config: JobConfig, world: WorldInfo, total_steps: int | None, config_hash: str,
+def build_roles(config: JobConfig, world: WorldInfo, *, config_hash: str, total_steps: int | None = None,
                 device_is_cuda: bool = False, resumed: Resumed | None = None,
                 lineage: str | None = None, backend: str = "none", terminal: bool = False,
                 snapshot_area: Area | None = None, startup: StartTimes | None = None) -> Roles:  # fmt: skip

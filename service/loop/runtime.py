@@ -25,20 +25,18 @@ from torch.nn.parallel import DataParallel
 
 from service import early
 from service.config import JobConfig
-from service.errors import Refusal
-from service.loop.batches import to_device
-from service.loop.geometry import plan_total_steps
-from service.loop.job import LoopState
+from service.config.errors import Refusal
+from service.data.batches import to_device
+from service.data.geometry import plan_total_steps
 from service.loop.kept import STREAM, Carry, Kept
-from service.loop.parallel import unwrap, wrap_model
-from service.loop.progress import Progress
 from service.loop.roles import build_roles
-from service.loop.syncbn import tick_collectives
-from service.loop.watchdog import Watchdog, watch_compilation
 from service.loop.window import Window, scalar
-from service.loop.wrapped import ServiceDDP
+from service.model.parallel import unwrap, wrap_model
+from service.model.syncbn import tick_collectives
+from service.model.wrapped import ServiceDDP
 from service.state.checkpoint_io import FORMAT
 from service.state.consistency import check_same_config
+from service.state.loop_state import LoopState
 from service.state.preemption import STATUS_CODES, Preemption, exit_code_of
 from service.state.resume import agree_on_checkpoint, check_compatible, config_hash, fresh_lineage, job_lineage
 from service.state.resume import rng_state as saved_rng_state
@@ -46,7 +44,9 @@ from service.state.snapshot import node_area
 from service.state.snapshot_interval import SnapshotSchedule, usable_cpus
 from service.telemetry.goodput import StartTimes
 from service.telemetry.metrics import StepReport
+from service.telemetry.progress import Progress
 from service.telemetry.startup import StartupMarks
+from service.telemetry.watchdog import Watchdog, watch_compilation
 from service.world.distributed import (
     DistContext,
     all_gather_bytes,
@@ -60,14 +60,20 @@ from service.world.orphans import guard_against_orphaning
 from service.world.runlock import build_run_dir_guard
 
 if TYPE_CHECKING:
-    from service.loop.feeds import MapFeed, StreamFeed
-    from service.loop.nonfinite import NonfiniteGuard
+    from service.data.feeds import MapFeed, StreamFeed
+    from service.model.nonfinite import NonfiniteGuard
 
 log = logging.getLogger("service.loop.train")
 
 
 class WrapError(TypeError):
     """A module handed to ``model`` cannot be wrapped as given; the message names the call and the fix."""
+
+
+class UsageError(WrapError):
+    """A call of the run's API in the wrong order (training before anything is kept) or with data that does not
+    fit this run (another dataset); the message names the call and the fix. A ``WrapError`` only so that code
+    that caught these as one before still does."""
 
 
 def last_attempt(world: WorldInfo) -> bool:
@@ -84,16 +90,44 @@ class Runtime:
         self.label = label or config.task
         self.device = dist_ctx.device
         self.control = dist_ctx.control
-        times = StartTimes.of(dist_ctx.began, dist_ctx.up, 0.0, 0, world.started_for)
-        self.startup = StartupMarks(times.process_start)  # summary.json's startup: each phase's end
-        for name, at in (("entry", early.started()), ("imports", imported), ("group_began", dist_ctx.began),
-                         ("group_up", dist_ctx.up)):  # fmt: skip
-            if at is not None:
-                self.startup.mark(name, at)
+        self._mark_start(imported)
         check_same_config(config, world.world_size, self.control)
         self.startup.mark("config_agreed")
         preemption.connect(any_rank(self.control))
         torch.manual_seed(config.seed)
+        self._agree_on_checkpoint()
+        self.digest = config_hash(config)
+        self.config_json = config.model_dump(mode="json")
+        self.state = LoopState(**self.resumed.state["loop"]) if self.resumed else LoopState()
+        self.progress = Progress(self.state.global_step)
+        times = StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds, self.state.global_step,
+                              world.started_for)  # fmt: skip
+        self.roles = build_roles(config, world, config_hash=self.digest, device_is_cuda=dist_ctx.is_cuda,
+                                 resumed=self.resumed, lineage=self.lineage, backend=dist_ctx.backend,
+                                 terminal=terminal, snapshot_area=self.area, startup=times)  # fmt: skip
+        self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
+                         str(self.resumed.file) if self.resumed else "")  # fmt: skip
+        self.snapshot_schedule = self._snapshot_schedule()
+        self.window = Window(self.device, sum_across(self.control),
+                             lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
+        self._loop_fields()
+        abandon = self.roles.snapshots.abandon if last_attempt(world) else lambda: None
+        self.watchdog = Watchdog.for_job(config, world, dist_ctx, self.progress, preemption, self.roles.sink, abandon)
+        self.watchdog.start()
+        self.startup.mark("runtime")
+
+    def _mark_start(self, imported: float | None) -> None:
+        """summary.json's startup: each phase's end, from the process's start (the entry, the imports, the group)."""
+        times = StartTimes.of(self.dist_ctx.began, self.dist_ctx.up, 0.0, 0, self.world.started_for)
+        self.startup = StartupMarks(times.process_start)
+        for name, at in (("entry", early.started()), ("imports", imported), ("group_began", self.dist_ctx.began),
+                         ("group_up", self.dist_ctx.up)):  # fmt: skip
+            if at is not None:
+                self.startup.mark(name, at)
+
+    def _agree_on_checkpoint(self) -> None:
+        """The ranks agree on the checkpoint (or snapshot) to resume from, if any; the job's lineage."""
+        config, world = self.config, self.world
         checkpoints = Path(config.run_dir) / "checkpoints"
         own = job_lineage(world.run_id) if config.checkpoint.resume == "never" else None  # never: this job's only
         self.area = node_area(config.checkpoint.snapshot_dir, config.run_dir, world.run_id, agent=world.agent_pid)
@@ -108,25 +142,20 @@ class Runtime:
         # The job's lineage, the same on every rank: every checkpoint and snapshot carries it, whichever rank
         # writes it (a survivor of a lost node writes the next ones; its restarts under resume=never look for it).
         self.lineage = own or (self.resumed.state.get("lineage") if self.resumed else fresh_lineage(self.control))
-        self.digest = config_hash(config)
-        self.config_json = config.model_dump(mode="json")
-        self.state = LoopState(**self.resumed.state["loop"]) if self.resumed else LoopState()
-        self.progress = Progress(self.state.global_step)
-        self.roles = build_roles(config, world, None, self.digest, dist_ctx.is_cuda, self.resumed, self.lineage,
-                                 dist_ctx.backend, terminal, self.area,
-                                 StartTimes.of(dist_ctx.began, dist_ctx.up, self.restore_seconds,
-                                               self.state.global_step, world.started_for))  # fmt: skip
-        self.kept = Kept(self.resumed.state if self.resumed else None, world.rank, world.world_size,
-                         str(self.resumed.file) if self.resumed else "")  # fmt: skip
-        self.snapshot_schedule = SnapshotSchedule(
-            config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
-            agree=largest_across(self.control), sync=torch.cuda.synchronize if dist_ctx.is_cuda else lambda: None,
-            ranks_here=world.local_world_size, cpus=usable_cpus(),
-            max_seconds=config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
+
+    def _snapshot_schedule(self) -> SnapshotSchedule:
+        """The steps the in-memory snapshots are taken at: the same on every rank (measured, agreed)."""
+        return SnapshotSchedule(
+            self.config.checkpoint.snapshot_every, self.state.global_step, self.roles.snapshots.measured,
+            agree=largest_across(self.control),
+            sync=torch.cuda.synchronize if self.dist_ctx.is_cuda else lambda: None,
+            ranks_here=self.world.local_world_size, cpus=usable_cpus(),
+            max_seconds=self.config.checkpoint.snapshot_max_seconds, ran=lambda: self.progress.tick,
             recent=self.roles.snapshots.recent,
         )  # fmt: skip
-        self.window = Window(self.device, sum_across(self.control),
-                             lambda payload: all_gather_bytes(payload, self.control, world.world_size))  # fmt: skip
+
+    def _loop_fields(self) -> None:
+        """What a loop fills in: its models, its feed, its plan, how it ended."""
         self.models: list[nn.Module] = []
         self.feed: MapFeed | StreamFeed | None = None
         self.total_steps = 0
@@ -140,17 +169,6 @@ class Runtime:
         self.evaluated: dict[str, float] = {}  # a script's s.log outside a step: its latest world means
         self.resize_advice = "set train.global_batch_size to keep it constant across resizes"
         self._rank_kept: dict[str, Any] = {}
-        self.watchdog = Watchdog.for_job(
-            config,
-            world,
-            dist_ctx,
-            self.progress,
-            preemption,
-            self.roles.sink,
-            self.roles.snapshots.abandon if last_attempt(world) else lambda: None,
-        )
-        self.watchdog.start()
-        self.startup.mark("runtime")
 
     @classmethod
     @contextlib.contextmanager
@@ -183,7 +201,7 @@ class Runtime:
                             f"module ({call} moves it to the device, converts its BatchNorm and wraps it itself), "
                             "e.g. the .module of your wrapper.")  # fmt: skip
         if self.feed is not None:
-            raise WrapError(
+            raise UsageError(
                 f"{call}(...) came after training started (the first s.batches); wrap every model "
                 "before it, so that its state is kept and restored before the first step."
             )
@@ -236,15 +254,15 @@ class Runtime:
         self.total_steps = plan_total_steps(feed, state, self.config.train)
         return self.total_steps
 
-    def begin(self, feed: MapFeed | StreamFeed, why: str) -> None:
+    def begin(self, feed: MapFeed | StreamFeed, call: str) -> None:
         """Training starts with ``feed``: nothing more is kept; room for the saves; the saved RNG back."""
-        from service.loop.feeds import check_stream
+        from service.data.feeds import check_stream
 
         if self.feed is feed:
             return
         if self.feed is not None:  # another dataset object: the same data made anew (a range each epoch) is fine
             if feed.signature() != self.feed.signature():
-                raise WrapError(f"{why}: this run trains on one dataset, and another came ({feed.signature()} after "
+                raise UsageError(f"{call}: this run trains on one dataset, and another came ({feed.signature()} after "
                                 f"{self.feed.signature()}: kind, length, step size, ...); pass the same data with "
                                 "the same batch_size, shuffle, shard and drop_last to every s.batches call of a "
                                 "session.")  # fmt: skip
@@ -257,10 +275,10 @@ class Runtime:
                          self.config.data.stream_resume)  # fmt: skip
             self.kept.per_rank[STREAM] = feed
         if not self.kept.shared and not self.kept.per_rank:
-            raise WrapError(f"{why} came before any s.keep(...): nothing would be in the checkpoints, and a resume "
+            raise UsageError(f"{call} came before any s.keep(...): nothing would be in the checkpoints, and a resume "
                             "would start your models afresh. Keep them first: s.keep(model=model, "
                             "optimizer=optimizer).")  # fmt: skip
-        self.kept.close(why)
+        self.kept.close(call)
         self.feed = feed
         if not self.total_steps:
             self.plan(feed)
@@ -340,7 +358,7 @@ class Runtime:
     def finish(self, status: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The end of this start: the last checkpoint (completed or preempted), every rank past rank 0's save,
         the snapshots gone, and ``summary.json``."""
-        from service.loop.progress import CHECKPOINT
+        from service.telemetry.progress import CHECKPOINT
 
         self.progress.mark(CHECKPOINT)
         self.preemption.settle()  # a check the last steps started: every rank reads it before the saves
@@ -360,7 +378,7 @@ class Runtime:
         """A start that raised: its snapshots go when no restart will read them; ``status: failed`` is written,
         naming the first rank that failed and its own error (this one's may be the broken connection it left), with
         the exit status ``exc`` gives (a script's ``sys.exit(3)``: 3). Bad input refused before training
-        (:class:`~service.errors.Refusal`) is logged on every rank, and nothing is written."""
+        (:class:`~service.config.errors.Refusal`) is logged on every rank, and nothing is written."""
         if isinstance(exc, Refusal):
             log.error("%s", exc)
             return

@@ -22,8 +22,8 @@ that step, with its checkpoint (the step whose body broke out counts), and a rer
 must leave at the same step: the ranks agree on it through the store (:func:`~service.loop.stepping.leave`), and
 a rank that left alone ends the job within seconds, ``failed``, naming itself and the fix (``left_loop`` in
 ``summary.json``). ``sys.exit(N)`` with another code is ``failed`` with ``exit_code: N``. Bad input found at
-``s.keep`` or ``s.batches`` (:class:`~service.errors.Refusal`: a resume whose kept names differ, a stream saved at
-another world size) exits 2 on every rank with its message and no traceback, and writes nothing.
+``s.keep`` or ``s.batches`` (:class:`~service.config.errors.Refusal`: a resume whose kept names differ, a stream saved
+at another world size) exits 2 on every rank with its message and no traceback, and writes nothing.
 
 Without ``with`` (a module-level script ported with few changed lines): ``s = service.Session().start()``; the
 session then ends when the interpreter does, or at an uncaught exception (failed). Python runs that end (its
@@ -231,7 +231,7 @@ class Session(SessionLoop, SessionTools):
 
     def _fail(self, rt: Any, exc: BaseException) -> None:
         """``status: failed`` for ``exc``; a peer that left its loop alone (the likely cause) is named first."""
-        from service.errors import Refusal
+        from service.config.errors import Refusal
         from service.loop.stepping import Left, left_peers
 
         error, extra = None, None
@@ -283,7 +283,7 @@ class Session(SessionLoop, SessionTools):
 
     def unwrap(self, model: Any) -> Any:
         """The plain module under the wrappers ``s.model`` put around it."""
-        from service.loop.parallel import unwrap
+        from service.model.parallel import unwrap
 
         return unwrap(model)
 

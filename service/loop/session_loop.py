@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from service.errors import Refusal
+from service.config.errors import Refusal
 from service.state.preemption import EXIT_FAILED, EXIT_PREEMPTED
 
 
@@ -75,7 +75,7 @@ class SessionLoop:
 
     @contextlib.contextmanager
     def _refusals(self) -> Iterator[None]:
-        from service.errors import Refusal
+        from service.config.errors import Refusal
 
         try:
             yield
@@ -173,7 +173,7 @@ class SessionLoop:
             )
 
     def _batches(self, feed: Any) -> Iterator[Any]:
-        from service.loop.batches import to_device
+        from service.data.batches import to_device
         from service.loop.stepping import Hooks, steps
 
         rt = self._rt
@@ -182,7 +182,7 @@ class SessionLoop:
         self._running = True
         try:
             with self._refusals():  # the resume's checks of the data, at the first step
-                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, why="s.batches(...)"):
+                for fed in steps(rt, feed, hooks, one_epoch=self._epoch is not None, call="s.batches(...)"):
                     yield to_device(fed.batches[0], rt.device, non_blocking=True)
                     self._ending = None  # the loop went on: a sys.exit the script caught is no end
         finally:
@@ -200,11 +200,19 @@ class SessionLoop:
 
     def _feed(self, dataset: Any, batch_size: int, collate_fn: Any, shuffle: bool, shard: bool,
               drop_last: bool) -> Any:  # fmt: skip
-        from service.loop.session_data import make_feed
+        from service.data.dataset_feed import dataset_feed
 
         key = (id(dataset), batch_size, id(collate_fn), shuffle, shard, drop_last)
         if key not in self._feeds:  # another dataset (one made anew each epoch): the one before is done with
-            feed = make_feed(self._rt, dataset, batch_size, collate_fn, shuffle, shard, drop_last)
+            feed = dataset_feed(
+                self._rt,
+                dataset,
+                batch_size,
+                collate_fn,
+                shuffle=shuffle,
+                shard=shard,
+                tail="drop" if drop_last else "keep",
+            )
             self._close_feeds()
             self._feeds[key] = feed
         return self._feeds[key]

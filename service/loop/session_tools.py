@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from service.loop.batches import to_device
-from service.loop.feeds import Fed, FeedError, is_stream
-from service.loop.sampler import MicroBatch, StepPlan
+from service.data.batches import to_device
+from service.data.feeds import Fed, FeedError, is_stream
+from service.data.sampler import MicroBatch, StepPlan
 from service.state.checkpoint_io import load_tensors
 from service.world.distributed import all_gather_bytes, barrier, sum_across
 
@@ -129,7 +129,7 @@ class SessionTools:
 
     def _tools_open(self) -> None:
         """At start: the precision of ``train.amp``; its scaler kept (restored now on a resume)."""
-        from service.loop.precision import Precision
+        from service.model.precision import Precision
 
         rt = self._rt
         self._used = set()
@@ -167,7 +167,7 @@ class SessionTools:
         Call ``optimizer.zero_grad()`` yourself. One call per optimizer per step; True when it stepped. Under fp16
         each call updates the scaler's scale, so with two optimizers run each one's ``s.backward`` and ``s.step``
         in turn (DCGAN's order), not both backwards first."""
-        from service.loop.nonfinite import NonfiniteGuard
+        from service.model.nonfinite import NonfiniteGuard
 
         rt = self._rt
         self._use("step")

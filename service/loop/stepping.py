@@ -1,6 +1,6 @@
 """The steps of a run and the boundary between two of them, where the service works: one copy for every loop.
 
-:func:`steps` yields one optimizer step's batches at a time (a :class:`~service.loop.feeds.Fed`); the loop runs
+:func:`steps` yields one optimizer step's batches at a time (a :class:`~service.data.feeds.Fed`); the loop runs
 its step (the task loop's micro-steps and optimizer step, or a script's own code) and asks for the next. Between
 the two, on every rank at the same steps: the step is counted (the data position moves), the log window and the
 sinks hear of it, the preemption agreement may stop every rank here, and the periodic checkpoint and snapshot are
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from service.loop.feeds import Fed
-from service.loop.progress import CHECKPOINT, DATA, hang_timeout
+from service.data.feeds import Fed
 from service.telemetry.metrics import StepReport
+from service.telemetry.progress import CHECKPOINT, DATA, hang_timeout
 
 if TYPE_CHECKING:
-    from service.loop.feeds import MapFeed, StreamFeed
+    from service.data.feeds import MapFeed, StreamFeed
     from service.loop.runtime import Runtime
 
 log = logging.getLogger("service.loop.train")
@@ -70,10 +70,10 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
 
 
 def steps(rt: Runtime, feed: MapFeed | StreamFeed, hooks: Hooks = Hooks(), one_epoch: bool = False,
-          why: str = "s.batches(...)") -> Iterator[Fed]:  # fmt: skip
+          call: str = "s.batches(...)") -> Iterator[Fed]:  # fmt: skip
     """The run's steps from where it stands to ``total_steps`` (``one_epoch``: to the end of this epoch); on a stop
     agreed by the ranks, ``rt.stopped`` says why (the step that just ran is kept)."""
-    rt.begin(feed, why)
+    rt.begin(feed, call)
     state, epochs = rt.state, rt.config.train.epochs
     while rt.stopped is None:
         if stop := rt.preemption.stop_here():  # a signal in start-up, the last evaluation or checkpoint
@@ -104,7 +104,7 @@ def _empty_epoch(rt: Runtime, feed: MapFeed | StreamFeed) -> None:
     """An epoch that gave no step (every rank agreed, at its start): a stream that does not start again (a
     generator read once, a rank's shard used up). Refused before any step; after some, the run ends here (no
     epoch is left: a rerun trains nothing more), saying why."""
-    from service.loop.feeds import FeedError, describe_stream
+    from service.data.feeds import FeedError, describe_stream
 
     state, train = rt.state, rt.config.train
     name = describe_stream(getattr(feed, "source", feed))
@@ -229,7 +229,7 @@ def leave(rt: Runtime, clock: Callable[[], float] = time.monotonic) -> Left | No
     if size == 1:
         finish_in_flight(rt)
         return Left(step, [rank], True)
-    from service.loop.watchdog import PREFIX, StoreCaller, parse_record
+    from service.telemetry.watchdog import PREFIX, StoreCaller, parse_record
 
     store = StoreCaller(rt.dist_ctx.store)
     store.call(lambda st: st.set(f"{LEFT}rank-{rank}", str(step)))  # before the step counts: see went_on
@@ -263,7 +263,7 @@ def leave(rt: Runtime, clock: Callable[[], float] = time.monotonic) -> Left | No
 def left_peers(rt: Runtime, store: Any = None) -> dict[int, int]:
     """The ranks that left their loop before its end in this attempt (:func:`leave`) and the step each left after,
     from the store; empty when none did or the store does not answer (each call a bounded wait)."""
-    from service.loop.watchdog import StoreCaller
+    from service.telemetry.watchdog import StoreCaller
 
     if rt.world.world_size == 1 or rt.dist_ctx.store is None:
         return {}

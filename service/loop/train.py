@@ -23,12 +23,18 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from service.loop.batches import checked_collate, to_device
-from service.loop.data import eval_loader
-from service.loop.feeds import MapFeed, StreamFeed, is_stream
-from service.loop.geometry import batch_geometry, plan_total_steps  # noqa: F401 (plan_total_steps: re-exported)
-from service.loop.nonfinite import NonfiniteGuard
-from service.loop.optim import (
+from service.config.errors import TaskInterfaceError
+from service.data.batches import checked_collate, to_device
+from service.data.dataset_feed import dataset_feed
+from service.data.feeds import MapFeed, StreamFeed
+from service.data.geometry import batch_geometry, plan_total_steps  # noqa: F401 (plan_total_steps: re-exported)
+from service.data.loaders import eval_loader
+from service.data.sampler import StepPlan
+from service.loop.runtime import Runtime
+from service.loop.stepping import Hooks, seed_step, step_seed, steps  # noqa: F401 (step_seed, seed_step: re-exported)
+from service.loop.task_step import TaskStep
+from service.model.nonfinite import NonfiniteGuard
+from service.model.optim import (
     LRSchedule,
     build_optimizer,
     build_schedule,
@@ -36,19 +42,14 @@ from service.loop.optim import (
     make_optimizer,
     schedule_setting,
 )
-from service.loop.parallel import unwrap
-from service.loop.precision import Precision
-from service.loop.progress import CHECKPOINT, EVAL, OPTIMIZER, Progress
-from service.loop.runtime import Runtime
-from service.loop.sampler import DataPlan, StepPlan
-from service.loop.schedule import lr_lambda
-from service.loop.stepping import Hooks, seed_step, step_seed, steps  # noqa: F401 (step_seed, seed_step: re-exported)
-from service.loop.steps import TaskInterfaceError, TaskStep
+from service.model.parallel import unwrap
+from service.model.precision import Precision
+from service.model.schedule import lr_lambda
 from service.state.weights import init_model
 from service.tasks.base import Task
 from service.tasks.loader import load_task
 from service.telemetry.metrics import EvalReport
-from service.world.distributed import all_agree
+from service.telemetry.progress import CHECKPOINT, EVAL, OPTIMIZER, Progress
 
 log = logging.getLogger(__name__)
 
@@ -87,23 +88,6 @@ class TaskJob:
         return self.precision.autocast
 
 
-def task_feed(rt: Runtime, task: Task, collate: Callable[[list[Any]], Any]) -> MapFeed | StreamFeed:
-    """The task's training data: its global batch and micro-steps at this world size (decided at every start)."""
-    config, world = rt.config, rt.world
-    global_batch, micro_steps = batch_geometry(config.train, world.world_size)  # before any work
-    if is_stream(task.train_set):
-        if micro_steps != 1:
-            raise TaskInterfaceError(
-                f"The task {config.task!r} trains on a stream, which gives one batch of train.batch_size per rank "
-                "and step; gradient accumulation over a stream is not supported. Leave train.grad_accum and "
-                "train.global_batch_size unset."
-            )
-        return StreamFeed(task.train_set, config.train.batch_size, world.world_size, world.rank, config.data,
-                          config.seed, collate, all_agree(rt.control))  # fmt: skip
-    plan = DataPlan(len(task.train_set), config.seed, global_batch, world.world_size, world.rank, micro_steps)  # type: ignore[arg-type]
-    return MapFeed(task.train_set, plan, config.data, config.seed, collate)
-
-
 def build_job(rt: Runtime) -> TaskJob:
     """Load the task, wrap its model, build its optimizer and schedule, and keep them (restored on a resume)."""
     config, train = rt.config, rt.config.train
@@ -111,7 +95,9 @@ def build_job(rt: Runtime) -> TaskJob:
     rt.startup.mark("task_built")
     step = TaskStep(task, config.task)
     collate = task.collate_fn or checked_collate(config.task)
-    feed = task_feed(rt, task, collate)
+    _, micro_steps = batch_geometry(train, rt.world.world_size)  # at this world size, decided at every start
+    feed = dataset_feed(rt, task.train_set, train.batch_size, collate, tail="fill", micro_steps=micro_steps,
+                        call=f"the task {config.task!r}'s train_set")  # fmt: skip
     if rt.resumed is None and config.init_from is not None:  # init_from: a fresh run only, every rank, before DDP
         init_model(task.model, config.init_from.path, config.init_from.strict)
     model = rt.model(task.model, call="the task's model")
@@ -270,7 +256,7 @@ def train(job: TaskJob) -> dict[str, Any]:
     rt, loop = job.runtime, TaskLoop(job)
     step = job.step
     try:
-        for fed in steps(rt, job.feed, loop.hooks(), why="the task loop's first step"):
+        for fed in steps(rt, job.feed, loop.hooks(), call="the task loop's first step"):
             loss = optimizer_step(job, fed.plan, fed.batches, rt.state.global_step + 1)
             rt.log({"loss": loss, **step.take_extras()}, call="the task's step_fn")
             fed.tokens = step.count_tokens(fed.batches, [part.real for part in fed.plan.micro])

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from service.loop.job import LoopState
+from service.state.loop_state import LoopState
 from service.telemetry.metrics import StepReport
 
 

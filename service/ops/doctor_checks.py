@@ -261,7 +261,7 @@ def checkpoint_bytes(task: Any, config: JobConfig) -> int:
     """
     import torch
 
-    from service.loop.optim import build_optimizer, make_optimizer
+    from service.model.optim import build_optimizer, make_optimizer
 
     model = task.model
     optimizer = build_optimizer(task, config.task, model, lambda: make_optimizer(model.parameters(), config.train))
@@ -300,7 +300,7 @@ def check_run_dir(config: JobConfig, one_checkpoint: int | None) -> Check:
 
 def batch_bytes(task: Any, batch_size: int) -> int:
     """Bytes of one batch of training samples, from the first sample's tensors (in any nesting)."""
-    from service.loop.batches import tensors
+    from service.data.batches import tensors
 
     return sum(tensor.nbytes for tensor in tensors(task.train_set[0])) * batch_size
 

@@ -228,6 +228,19 @@ def candidate_steps(directory: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def checkpoint_dir(run_dir: Path) -> Path:
+    """``run_dir/checkpoints``, or ``run_dir`` itself when it is a checkpoint directory."""
+    inner = run_dir / "checkpoints"
+    if not inner.is_dir() and candidate_steps(run_dir):
+        return run_dir
+    return inner
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """Steps that have a manifest (a save that finished, checked or not), newest first."""
+    return [step for step in candidate_steps(directory) if (directory / manifest_name(step)).exists()]
+
+
 def read_manifest(directory: Path, step: int) -> Manifest:
     """The manifest of ``step``; ``ValueError`` with the reason when it is missing or malformed."""
     path = directory / manifest_name(step)

@@ -27,13 +27,14 @@ from service.state.checkpoint_io import (
     FORMAT,
     UnsafeCheckpointError,
     _step_of,
-    candidate_steps,
+    checkpoint_dir,
     load_state,
     load_tensors,
     manifest_name,
     missing_keys,
     module_names,
     read_verified,
+    saved_steps,
     state_name,
 )
 from service.state.files import kind_of, open_regular
@@ -71,19 +72,6 @@ def _names(keys: list[str]) -> str:
 
 
 # --- where a checkpoint is -------------------------------------------------------------------------------------
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    """``run_dir/checkpoints``, or ``run_dir`` itself when it is a checkpoint directory."""
-    inner = run_dir / "checkpoints"
-    if not inner.is_dir() and candidate_steps(run_dir):
-        return run_dir
-    return inner
-
-
-def saved_steps(directory: Path) -> list[int]:
-    """Steps that have a manifest (a save that finished, checked or not), newest first."""
-    return [step for step in candidate_steps(directory) if (directory / manifest_name(step)).exists()]
 
 
 def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:

@@ -13,7 +13,7 @@ buffer broadcast comes first, which is the default.
 * :class:`WaitClock` sums the other collectives of a step: DDP's pre-forward
   work (the buffer broadcast), timed by the service's DDP wrapper (two forward
   pre-hooks on another DDP model), and the CPU
-  SyncBatchNorm's all-reduces (``service.loop.syncbn``), timed around each call.
+  SyncBatchNorm's all-reduces (``service.model.syncbn``), timed around each call.
 
 On NCCL the host does not block in a collective (the work is queued on a CUDA
 stream), so these timers see only the launch: the score is as good as the
@@ -137,5 +137,5 @@ def instrument(model: Any, allreduce: AllreduceTimer | None, waits: WaitClock | 
             model.register_forward_pre_hook(pre_forward.enter)
             model.module.register_forward_pre_hook(pre_forward.leave)
         for module in model.modules():
-            if hasattr(module, "wait_clock"):  # a layer that times its own collectives (loop.syncbn)
+            if hasattr(module, "wait_clock"):  # a layer that times its own collectives (model.syncbn)
                 setattr(module, "wait_clock", waits)  # noqa: B010 (any module with that slot, not one class)

@@ -32,6 +32,19 @@ def batches_before_keep(s):
         net.zero_grad()
 
 
+def batches_of_another_dataset(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for epoch in s.epochs():
+        for _ in s.batches(DATA if epoch == 0 else TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), 8):
+            pass
+
+
+def model_after_training_started(s):
+    s.keep(net=s.model(nn.Linear(4, 1)))
+    for _ in s.batches(DATA, 8):
+        s.model(nn.Linear(4, 1))
+
+
 def keep_after_training_started(s):
     net = s.model(nn.Linear(4, 1))
     s.keep(net=net)
@@ -157,6 +170,8 @@ CASES = {
     "lr_set": (lambda s: None, ("train.lr=0.1",)),
     "micro_batches_indivisible": (micro_batches_indivisible, ("train.grad_accum=3",)),
     "batches_before_keep": (batches_before_keep, ()),
+    "batches_of_another_dataset": (batches_of_another_dataset, ("train.max_steps=null", "train.epochs=2")),
+    "model_after_training_started": (model_after_training_started, ()),
     "keep_after_training_started": (keep_after_training_started, ()),
     "keep_without_state_dict": (keep_without_state_dict, ()),
     "model_of_a_wrapped_module": (model_of_a_wrapped_module, ()),

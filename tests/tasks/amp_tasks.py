@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from service.loop.sampler import permutation
+from service.data.sampler import permutation
 from service.tasks.base import Task, TaskSpec
 from service.tasks.digits import accuracy, load_digits_split
 

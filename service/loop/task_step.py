@@ -15,13 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from service.errors import ddp_hint
-from service.loop.batches import BatchError, leading_size, require_tensors, tensors
+from service.config.errors import TaskInterfaceError, ddp_hint
+from service.data.batches import BatchError, leading_size, require_tensors, tensors
 from service.tasks.base import Task
-
-
-class TaskInterfaceError(TypeError):
-    """What a task returned does not fit the contract of ``service.tasks.base.Task``; the message names the fix."""
 
 
 def _floats(output: Any) -> Any:

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from service.config import TrainConfig
-from service.loop.job import LoopState
+from service.state.loop_state import LoopState
 
 log = logging.getLogger("service.loop.train")
 
@@ -30,7 +30,7 @@ def batch_geometry(train: TrainConfig, world_size: int) -> tuple[int, int]:
 def plan_total_steps(plan: Any, state: LoopState, train: TrainConfig) -> int:
     """Optimizer steps of the whole run: those done, the rest of this epoch, and the epochs after it.
 
-    ``plan``: a :class:`DataPlan` or a feed (:mod:`service.loop.feeds`); a stream without a length has no steps
+    ``plan``: a :class:`DataPlan` or a feed (:mod:`service.data.feeds`); a stream without a length has no steps
     per epoch, so ``train.max_steps`` is the whole run then (the feed refuses a stream without it).
     """
     if plan.steps_in_epoch(0) is None:

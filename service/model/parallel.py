@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from service.config import DDPConfig, TrainConfig
-from service.errors import ddp_hint
-from service.loop.syncbn import convert_sync_batchnorm
-from service.loop.wrapped import ServiceDDP
+from service.config.errors import ddp_hint
+from service.model.syncbn import convert_sync_batchnorm
+from service.model.wrapped import ServiceDDP
 from service.world.env import EnvError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def wrap_model(model: nn.Module, train: TrainConfig, ddp: DDPConfig, world: Worl
                device: torch.device) -> nn.Module:  # fmt: skip
     """BatchNorm → SyncBatchNorm when asked, move to the device, compile when asked, then DDP (or DataParallel).
 
-    The DDP wrapper is :class:`~service.loop.wrapped.ServiceDDP`: it settles DDP's buckets at the first forward of
+    The DDP wrapper is :class:`~service.model.wrapped.ServiceDDP`: it settles DDP's buckets at the first forward of
     every start (so a resume stays bit-exact at any world size) and marks the hang watchdog's progress record."""
     if train.strategy == "dp":
         return _data_parallel(model.to(device), world, device)

@@ -5,7 +5,7 @@ Unknown keys are errors (with the nearest valid key), and all errors are
 reported together, each with its path and where it was given. Every float must
 be finite (checked on the parsed number, so ``1e400`` and ``Infinity`` are
 caught too). Reading the file and the overrides, bounded, is
-:mod:`service.config_yaml`.
+:mod:`service.config.reading`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.config_yaml import (  # noqa: F401 (re-exported: the config's public names live here)
+from service.config.reading import (  # noqa: F401 (re-exported: the config's public names live here)
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_VALUES,

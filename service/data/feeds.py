@@ -1,7 +1,7 @@
 """What feeds a loop's steps: one optimizer step's batches at a time, and where the data stands.
 
 - :class:`MapFeed`: a map-style dataset (``__len__``, ``__getitem__``) through a
-  :class:`~service.loop.sampler.DataPlan`: one permutation per epoch (or the
+  :class:`~service.data.sampler.DataPlan`: one permutation per epoch (or the
   dataset's order), striped over the ranks of the world that runs each step, so a
   resume at any world size feeds every sample once per epoch. With ``shard=False``
   each rank walks its own dataset whole (a world of one per rank): the TBPTT form.
@@ -26,9 +26,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from service.config import DataConfig
-from service.errors import Refusal
-from service.loop.data import SignalSafeLoader, shut_down
-from service.loop.sampler import DataPlan, MicroBatch, PlanSampler, StepPlan
+from service.config.errors import Refusal
+from service.data.loaders import SignalSafeLoader, shut_down
+from service.data.sampler import DataPlan, MicroBatch, PlanSampler, StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class StreamFeed:
 
 
 def _size(batch: Any) -> int:
-    from service.loop.batches import BatchError, leading_size
+    from service.data.batches import BatchError, leading_size
 
     try:
         return leading_size(batch)

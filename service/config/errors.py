@@ -33,6 +33,10 @@ class Refusal(SystemExit):
         return 2
 
 
+class TaskInterfaceError(TypeError):
+    """What a task returned does not fit the contract of ``service.tasks.base.Task``; the message names the fix."""
+
+
 class InplaceGradientError(RuntimeError):
     """Raised in place of torch's in-place RuntimeError, with the causes and the config switch."""
 

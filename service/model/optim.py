@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from service.config import TrainConfig
-from service.loop.steps import TaskInterfaceError
+from service.config.errors import TaskInterfaceError
 from service.tasks.base import Task
 
 log = logging.getLogger("service.loop.train")

@@ -20,7 +20,7 @@ is one extra norm over the gradients.
   gradients instead would keep it asynchronous but is no skip (momentum and
   weight decay still move the weights).
 
-Under ``train.amp: fp16`` (:mod:`service.loop.precision`) the gradients are
+Under ``train.amp: fp16`` (:mod:`service.model.precision`) the gradients are
 unscaled before the norm, so clipping and this check see true values, and the
 norm is read on the host every step (``GradScaler.step`` reads its inf flag
 anyway). A non-finite step is then skipped under either policy, as the scaler
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from service.config import JobConfig
-from service.loop.precision import Precision
+from service.model.precision import Precision
 from service.state.checkpoint_io import candidate_steps, state_name
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class NonfiniteGuard:
     def for_job(cls, config: JobConfig, device: torch.device, total_steps: int,
                 precision: Precision | None = None, grad_clip: float | None = None) -> NonfiniteGuard:  # fmt: skip
         """Checks at log steps, checkpoint steps and the last step: where the loop reads the device anyway.
-        ``grad_clip``: what ``train.grad_clip`` resolved to for the task (:func:`service.loop.optim.clip_setting`)."""
+        ``grad_clip``: what ``train.grad_clip`` resolved to for the task (:func:`service.model.optim.clip_setting`)."""
         train = config.train
         return cls(train.nonfinite, grad_clip, device, Path(config.run_dir) / "checkpoints",
                    (train.log_every, config.checkpoint.every_steps), total_steps, precision)  # fmt: skip

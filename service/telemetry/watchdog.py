@@ -1,4 +1,4 @@
-"""The hang watchdog: a thread per worker over its :class:`~service.loop.progress.Progress` record.
+"""The hang watchdog: a thread per worker over its :class:`~service.telemetry.progress.Progress` record.
 
 Once a second the thread publishes the record, with the time it last changed
 and the time it was sent (the heartbeat that tells a stopped rank from a
@@ -9,7 +9,7 @@ stopped store host (rank 0 under the etcd3 rendezvous, the agent under
 ``--standalone``) cannot hang the watchdog. It acts on two triggers:
 
 - **A hang**: no progress on this rank for the hang timeout
-  (:func:`~service.loop.progress.hang_timeout`), a checkpoint being saved
+  (:func:`~service.telemetry.progress.hang_timeout`), a checkpoint being saved
   anywhere excepted. Two slow things that are not hangs have bounds of their own,
   on the rank itself and as its peers see it in its record: a rank waiting for
   its own data (phase ``data``) up to ``dist.data_timeout_seconds``, reported
@@ -21,7 +21,7 @@ stopped store host (rank 0 under the etcd3 rendezvous, the agent under
   SIGSTOPped rank cannot run its own watchdog; the others find it silent.
 - **A stuck teardown**: a stop signal (SIGTERM, SIGUSR1) came, the main thread
   has made no progress since for the grace
-  (:func:`~service.loop.progress.teardown_grace`; not while it evaluates or
+  (:func:`~service.telemetry.progress.teardown_grace`; not while it evaluates or
   saves), and a peer is silent or the store does not answer: the collective
   it waits in will never end. It logs one line and leaves at once instead of
   waiting out torchrun's ``--shutdown-timeout``. With every peer alive, the
@@ -47,10 +47,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from service.loop.progress import CHECKPOINT, DATA, EVAL, ORDER, Progress, hang_timeout, position, teardown_grace
 from service.state.preemption import Preemption
 from service.telemetry.hangs import append_hang
 from service.telemetry.metrics import MetricsSink
+from service.telemetry.progress import CHECKPOINT, DATA, EVAL, ORDER, Progress, hang_timeout, position, teardown_grace
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def silent_ranks(records: Mapping[int, Record | None], now: float, silent_after:
 
 def behind_ranks(records: Mapping[int, Record | None], now: float, silent_after: float) -> list[int]:
     """The ranks holding the world up: the silent ones (:func:`silent_ranks`), else those furthest behind by
-    (step, phase, micro-step, collectives entered): :func:`~service.loop.progress.position`."""
+    (step, phase, micro-step, collectives entered): :func:`~service.telemetry.progress.position`."""
     silent = silent_ranks(records, now, silent_after)
     if silent:
         return sorted(silent)

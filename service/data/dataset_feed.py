@@ -1,15 +1,17 @@
-"""The data of a session's ``s.batches``: its dataset as a feed (:mod:`service.loop.feeds`), checked first."""
+"""A dataset as a feed (:mod:`service.data.feeds`), checked first: the one factory of both doors, a session's
+``s.batches`` and the task loop's training set."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
-from service.loop.batches import checked_collate
-from service.loop.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
+from service.data.batches import checked_collate
+from service.data.feeds import FeedError, MapFeed, StreamFeed, is_stream, map_plan
 from service.world.distributed import all_agree
 
 _REPLACEMENT = ("a sampler that draws with replacement has no s.batches form: s.batches draws a permutation each "
@@ -40,9 +42,16 @@ def loader_given(loader: DataLoader, batch_size: Any) -> str:
 log = logging.getLogger("service.loop.train")
 
 
-def make_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list[Any]], Any] | None, shuffle: bool,
-              shard: bool, drop_last: bool) -> MapFeed | StreamFeed:  # fmt: skip
-    """A feed of ``batch_size`` samples per rank and step; every rank must call it alike (it may agree)."""
+def dataset_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list[Any]], Any] | None = None, *,
+                 shuffle: bool = True, shard: bool = True, tail: str = "keep", micro_steps: int = 1,
+                 call: str = "s.batches") -> MapFeed | StreamFeed:  # fmt: skip
+    """A feed of ``batch_size`` samples per rank and micro-step, ``micro_steps`` a step; every rank must call it
+    alike (it may agree).
+
+    ``tail``: an epoch's last samples short of a whole step: ``keep`` them (a smaller step), ``drop`` them, or
+    ``fill`` the step from the epoch's start (the task loop's); a stream, which cannot fill, drops them then.
+    ``call`` names the caller in the errors (``s.batches``, the task's training set).
+    """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise FeedError(f"s.batches(dataset, batch_size={batch_size!r}): batch_size is the samples per rank and step, "
                         "a whole number of at least 1, e.g. s.batches(dataset, batch_size=64).")  # fmt: skip
@@ -55,10 +64,14 @@ def make_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list
     collate = collate_fn or checked_collate(rt.label)
     agree = all_agree(rt.control)
     if is_stream(dataset):
+        if micro_steps != 1:
+            raise FeedError(f"{call} got a stream, which gives one batch of {batch_size} samples per rank and step; "
+                            "gradient accumulation over a stream is not supported. Leave train.grad_accum and "
+                            "train.global_batch_size unset.")  # fmt: skip
         return StreamFeed(dataset, batch_size, world.world_size, world.rank, config.data, config.seed, collate, agree,
-                          shard=shard, drop_last=drop_last)  # fmt: skip
+                          shard=shard, drop_last=tail != "keep")  # fmt: skip
     if not (callable(getattr(dataset, "__len__", None)) and callable(getattr(dataset, "__getitem__", None))):
-        raise FeedError(f"s.batches got a {type(dataset).__name__}, which is neither a map-style dataset (__len__ and "
+        raise FeedError(f"{call} got a {type(dataset).__name__}, which is neither a map-style dataset (__len__ and "
                         "__getitem__) nor an iterable one (torch.utils.data.IterableDataset, a datasets stream). "
                         "Pass a Dataset, a list of samples, or a stream.")  # fmt: skip
     length = len(dataset)
@@ -78,10 +91,13 @@ def make_feed(rt: Any, dataset: Any, batch_size: Any, collate_fn: Callable[[list
                 saved,
             )
     if length < 1:
-        raise FeedError("s.batches got an empty dataset; check how the script builds it.")
-    plan = map_plan(dataset, config.seed, batch_size, world.world_size, world.rank, shard, shuffle, drop_last)
+        raise FeedError(f"{call} got an empty dataset; check how it is built.")
+    plan = map_plan(dataset, config.seed, batch_size, world.world_size, world.rank, shard, shuffle, tail == "drop")
+    if tail == "fill" or micro_steps != 1:
+        plan = dataclasses.replace(plan, global_batch=plan.global_batch * micro_steps, micro_steps=micro_steps,
+                                   tail=tail)  # fmt: skip
     if plan.steps_in_epoch(0) == 0:
-        raise FeedError(f"s.batches: {length} samples make no whole step of {plan.global_batch} "
+        raise FeedError(f"{call}: {length} samples make no whole step of {plan.global_batch} "
                         f"({batch_size} per rank x {plan.world_size} rank(s)) with drop_last=True; lower batch_size "
                         "or pass drop_last=False.")  # fmt: skip
     return MapFeed(dataset, plan, config.data, config.seed, collate)

@@ -16,7 +16,7 @@ marks, the user module's own attributes, and a wrapper that stays usable after i
 - **Marks.** Each forward marks the rank's progress record (``forward``, then
   ``backward`` once it returns), counted within the step, so the watchdog tells
   a rank that loops in its forward from one that waits in the gradient
-  all-reduce (:mod:`service.loop.progress`).
+  all-reduce (:mod:`service.telemetry.progress`).
 - **Attributes.** ``model.init_hidden(...)``, ``model.config``: what the wrapped
   module has, the wrapper answers (as Lightning Fabric's wrapper does); its
   ``state_dict`` is the module's, without DDP's ``module.`` prefix.
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from service.errors import backward, ddp_hint
-from service.loop.batches import tensors
-from service.loop.progress import Progress
+from service.config.errors import backward, ddp_hint
+from service.data.batches import tensors
+from service.telemetry.progress import Progress
 
 
 class ServiceDDP(DistributedDataParallel):

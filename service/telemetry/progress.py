@@ -81,7 +81,7 @@ class Progress:
         self.phase, self.micro, self.entered = phase, micro, 0
 
     def forward_started(self) -> None:
-        """A forward of a wrapped model begins (:class:`~service.loop.wrapped.ServiceDDP`): its own stage."""
+        """A forward of a wrapped model begins (:class:`~service.model.wrapped.ServiceDDP`): its own stage."""
         self.phase, self.micro, self.entered = FORWARD, self.forwards, 0
         self.forwards += 1
         self.tick += 1

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from service.config import DataConfig
-from service.loop.sampler import StepPlan
+from service.data.sampler import StepPlan
 from service.state.preemption import held_back, ignore_in_data_workers
 from service.world.env import WorldInfo
 

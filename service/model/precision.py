@@ -15,7 +15,7 @@
 
 With no scaler every method is the plain fp32 path, so the loop has no
 precision checks of its own. The policy for non-finite steps (what a scaler
-skip counts as) is :mod:`service.loop.nonfinite`'s.
+skip counts as) is :mod:`service.model.nonfinite`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from service.errors import backward
+from service.config.errors import backward
 
 # What GradScaler's state_dict holds; a checkpoint's entry is checked against it before it is loaded.
 _SCALER_KEYS = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
