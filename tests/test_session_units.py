@@ -466,7 +466,7 @@ def test_the_guard_records_the_first_non_finite_step_whenever_it_is_read(tmp_pat
     """Issue 38: the guard (``train.nonfinite=stop``) keeps each step's norm and folds them into its device record
     when it is read (a check, a snapshot's state) or every 64 steps, not four device ops a step: the record is
     still the first step whose gradient norm was inf or nan, at any step it is read."""
-    from service.loop import nonfinite
+    from service.model import nonfinite
 
     guard = nonfinite.NonfiniteGuard("stop", 1.0, torch.device("cpu"), tmp_path_factory.mktemp("c"), (), 10**6)
     weight = nn.Parameter(torch.zeros(1))
