@@ -8,8 +8,9 @@ method and its own thread pool size, imports the job's task module or script its
 torch and the service: none of a user's module-level code runs there), and ends as a program ends
 (:func:`finish`): ``sys.excepthook`` for an uncaught exception, then the join of the threads it started that are
 not daemons (``threading._shutdown``, as an interpreter's finalization does), then the ``atexit`` handlers (a
-``Session().start()`` without ``with`` closes there), then the exit code a program would have. A multiprocessing
-child runs none of those by itself, or joins its threads only after (its ``_bootstrap``)."""
+``Session().start()`` without ``with`` closes there), then the exit code a program would have. After a success
+the handlers come first and the threads are joined once the return value has gone to the agent (:func:`finish` says
+why). A multiprocessing child runs none of those by itself, or joins its threads only after (its ``_bootstrap``)."""
 
 import atexit
 import multiprocessing
@@ -66,9 +67,12 @@ def end_as_a_program() -> None:
 
 
 def finish(run: object) -> None:
-    """Run ``run()`` and end as a program does. A success returns (torchrun's agent counts a function worker done
-    once it has returned); an uncaught exception, after ``sys.excepthook`` and the ``atexit`` handlers, goes on to
-    torch's wrapper (its error file, exit 1); a ``SystemExit`` ends the process with its code."""
+    """Run ``run()`` and end as a program does. A success returns after the ``atexit`` handlers (torchrun's agent
+    counts a function worker done by its return value, sent after this returns: a script's thread that ended the
+    process while joined here, as a lingering writer's ``os._exit`` does, would leave the agent waiting for good;
+    multiprocessing's ``_bootstrap`` joins the threads once it is sent); an uncaught exception, after
+    ``sys.excepthook``, the threads' join and the ``atexit`` handlers, goes on to torch's wrapper (its error file,
+    exit 1); a ``SystemExit`` with another code than 0 ends the process with it, after the same join and handlers."""
     try:
         run()  # type: ignore[operator]
     except SystemExit as exc:
@@ -80,7 +84,10 @@ def finish(run: object) -> None:
         raise
     else:
         code = 0
-    end_as_a_program()
+    if code == 0:  # the agent counts this worker done by its return value, which goes out only once we return: a
+        atexit._run_exitfuncs()  # thread ending the process first (os._exit) would hang it, so multiprocessing's
+    else:  # _bootstrap joins the threads after the return here, and the handlers come first
+        end_as_a_program()
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:

@@ -474,6 +474,10 @@ def test_s_epochs_takes_the_scripts_own_count_and_a_preempted_run_resumes_in_its
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped, rerun[-4000:]
     epoch = stopped // 8  # the epoch it goes on in (a stop at an epoch's last step: the next one, at its start)
     expected = [(str(epoch), str(stopped))] + [(str(later), str(8 * later)) for later in range(epoch + 1, 3)]
-    assert re.findall(r"rank 0: epoch (\d) at step (\d+)", rerun) == expected, rerun[-4000:]
+    # A stop agreed at an epoch's last step, before that epoch ended, gives that epoch back first with no batch
+    # left, so the script's code after its batches (an evaluation) runs as it did in the straight run.
+    ended_early = [(str(epoch - 1), str(stopped))] if stopped % 8 == 0 else []
+    found = re.findall(r"rank 0: epoch (\d) at step (\d+)", rerun)
+    assert found in (expected, ended_early + expected), rerun[-4000:]
     assert (resumed["global_step"], resumed["epochs_completed"]) == (24, 3)
     assert resumed["model_digest"] == straight["model_digest"], rerun[-4000:]
