@@ -88,6 +88,18 @@ def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str, star
     return summary
 
 
+def run_and_exit_within(run_dir: Path, nproc: int, *overrides: str, done: str, within: float = 30) -> LineWatcher:
+    """Run a warm job to its end (exit 0), and check that it exited within ``within`` s of its ``done`` line."""
+    proc, watcher = start(run_dir, nproc, *overrides, start="warm")
+    try:
+        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
+        exited = time.monotonic()
+    finally:
+        kill_group(proc)
+    assert exited - watcher.wait_for(done, timeout=10) < within, watcher.text()[-4000:]
+    return watcher
+
+
 def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, within: float = 30) -> dict:
     """As :func:`preempt_agent_at`, the SIGTERM to local rank 1's trainer alone (not its loader workers): the agent
     waits for its workers to leave by themselves, and they must, within ``within`` s of their stop."""
@@ -275,13 +287,7 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
     # SIGKILL a lingering worker after 30 s and hide a hang).
     job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=50", "task_options.sleep=0.02",
            "data.num_workers=2")  # fmt: skip
-    proc, watcher = start(tmp_path / "straight", 3, *job, start="warm")
-    try:
-        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
-        exited = time.monotonic()
-    finally:
-        kill_group(proc)
-    assert exited - watcher.wait_for(r"\[rank 0\] INFO done: step 16,", timeout=10) < 30, watcher.text()[-4000:]
+    watcher = run_and_exit_within(tmp_path / "straight", 3, *job, done=r"\[rank 0\] INFO done: step 16,")
     straight_lrs = learning_rates(watcher.text())
     straight = read_summary(tmp_path / "straight")
 

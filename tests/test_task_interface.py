@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, child_env, kill_group, read_summary, run_job
+from conftest import REPO, child_env, read_summary, run_job
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -238,21 +238,13 @@ def test_a_tasks_stateful_torch_stream_is_sharded_over_ranks_and_workers_and_res
     """#25.2: a ``torch.utils.data.IterableDataset`` with ``state_dict`` as ``Task.train_set``, 2 processes x 2
     loader workers (each takes one item in every four): a run to step 4, then to 8, ends as a run to 8 does (a
     constant LR: a cosine over 4 steps is another schedule than over 8). #35.1, the Task loop: an endless stream
-    stopped by max_steps, its loaders' workers still reading, exits within seconds of its end (the loop shuts them
-    down; left to Python's exit, the workers, which ignore SIGTERM, would hold the ranks for good)."""
-    import time
-
-    from test_resume_e2e import finish, start
+    stopped by max_steps, its loaders' workers still reading, exits within seconds of its end, its loaders' workers
+    shut down with it."""
+    from test_resume_e2e import run_and_exit_within
 
     job = ("task=stream_tasks:numbers", "train.batch_size=4", "data.num_workers=2", "train.log_every=1",
            "train.lr_schedule=constant")  # fmt: skip
-    proc, watcher = start(tmp_path / "straight", 2, *job, "train.max_steps=8", start="warm")
-    try:
-        assert finish(proc, watcher) == 0, watcher.text()[-4000:]
-        exited = time.monotonic()
-    finally:
-        kill_group(proc)
-    assert exited - watcher.wait_for(r"\[rank 0\] INFO done: step 8,", timeout=10) < 30, watcher.text()[-4000:]
+    run_and_exit_within(tmp_path / "straight", 2, *job, "train.max_steps=8", done=r"\[rank 0\] INFO done: step 8,")
     run_job(tmp_path / "run", 2, *job, "train.max_steps=4", start="warm")
     run_job(tmp_path / "run", 2, *job, "train.max_steps=8", start="warm")
     straight, resumed = read_summary(tmp_path / "straight"), read_summary(tmp_path / "run")

@@ -159,18 +159,10 @@ def _grad_clip(value: Any) -> float | str | None:
         return value
     fix = "must be auto (1.0 when the service builds the optimizer, none when the task or script brings its own), "\
           "null (no clipping) or a positive number, e.g. 1.0"  # fmt: skip
-    if isinstance(value, str):  # YAML reads 1e400 and Infinity as strings
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(fix) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(fix)
-    if not math.isfinite(value):
-        raise ValueError(_NOT_FINITE)
+    value = _finite_number(value, fix)
     if value <= 0:
         raise ValueError(fix)
-    return float(value)
+    return value
 
 
 GradClip = Annotated[float | Literal["auto"] | None, PlainValidator(_grad_clip)]
