@@ -57,7 +57,8 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
 
     A worker torchrun started as a process has LOCAL_RANK in its environment; one forked by ``ddp-service
     launch``'s fork server gets it set after the fork (not in /proc's copy): those are taken in the order the
-    agent started them, local rank 0 first.
+    agent started them, local rank 0 first. A worker's own children (its data loader's workers) inherit its
+    LOCAL_RANK: of the processes that carry one, the first started is the worker.
     """
     _, forked = fork_server_workers(agent_pid)
     if forked:
@@ -70,7 +71,9 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
             continue
         for item in environ:
             if item.startswith(b"LOCAL_RANK="):
-                workers[int(item.split(b"=", 1)[1])] = pid
+                local_rank = int(item.split(b"=", 1)[1])
+                if local_rank not in workers or _started(pid) < _started(workers[local_rank]):
+                    workers[local_rank] = pid
     return workers
 
 
