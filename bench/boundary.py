@@ -312,7 +312,7 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     "seeding": (("loop/stepping.py", "seed_step"),),
     "counting (state, plan)": (("loop/stepping.py", "count_step"),),
     "log window (s.log, step, report)": (("loop/window.py", "*"), ("loop/runtime.py", "log")),
-    "sinks: Prometheus": (("telemetry/metrics.py", "PrometheusSink"),),
+    "sinks: Prometheus": (("telemetry/prometheus.py", "*"),),
     "sinks: TensorBoard": (("telemetry/metrics.py", "TensorBoardSink"),),
     "sinks: log line, fan-out, goodput": (("telemetry/metrics.py", "*"), ("telemetry/goodput.py", "*")),
     "trace (off: a null object)": (("data/loaders.py", "record"),),
@@ -350,10 +350,10 @@ def _classes() -> dict[tuple[str, str], str]:
     """(file, function name) -> class name for the sink classes, so that a method is told apart by its class."""
     import inspect
 
-    from service.telemetry import metrics
+    from service.telemetry import metrics, prometheus
 
     found = {}
-    for cls in (metrics.PrometheusSink, metrics.TensorBoardSink):
+    for cls in (prometheus.PrometheusSink, metrics.TensorBoardSink):
         for function in vars(cls).values():
             if inspect.isfunction(function):
                 found[(function.__code__.co_filename, str(function.__code__.co_firstlineno))] = cls.__name__
