@@ -7,9 +7,10 @@ boundary. Each door runs ``--steps`` steps (one epoch) in the same processes as 
 ``--worlds`` (gloo processes under ``torchrun --standalone``):
 
 - ``task``: the ``Task`` loop as ``ddp-service train`` runs it (``paired.task_epoch``), with the config's
-  defaults but ``metrics.port=auto`` (Prometheus on, as a production job has it);
-- ``task -hook``: the same with ``metrics.allreduce_timing=false`` (DDP's built-in all-reduce: no comm hook, no
-  pre-forward timers, no collective histograms);
+  defaults but ``metrics.port=auto`` (Prometheus on, as a production job has it); ``--exporter off`` keeps the
+  config's own default (``metrics.port=0``: no exporter, so no comm hook);
+- ``task -hook``: with the exporter on, the same with ``metrics.allreduce_timing=false`` (DDP's built-in
+  all-reduce: no comm hook, no pre-forward timers, no collective histograms);
 - ``session``: the same step in a script's own loop on ``service.Session`` (``s.batches``, ``s.log``).
 
 Measured in CPU time, which this loaded 2-core VM disturbs far less than wall time: the main thread's
@@ -21,7 +22,7 @@ profiler, which adds about a microsecond to every Python call it sees, so its it
 it are unprofiled.
 
     python bench/boundary.py [--steps 10000] [--runs 1] [--worlds 1,2] [--batch 1] [--width 1] [--layers 1]
-                             [--doors task,session] [--set KEY=VALUE ...]
+                             [--doors task,session] [--exporter on|off] [--set KEY=VALUE ...]
 
 Snapshot captures and periodic checkpoints are timed apart (``Writes``: main-thread CPU of each capture, and of
 each checkpoint at the steps one is due), and each door's line says its CPU over bare **between its writes**: at
@@ -196,8 +197,9 @@ def step(model, optimizer, x, y):  # noqa: ANN001, ANN201 - torch objects
 
 
 def overrides(args: argparse.Namespace, size: int, run_dir: str) -> list[str]:
+    exporter = ["metrics.port=auto"] if args.exporter == "on" else []  # off: the config's default, port 0
     return [f"train.batch_size={args.batch}", f"train.epochs={3 * args.runs + 4}", f"run_dir={run_dir}",
-            "checkpoint.resume=never", "metrics.port=auto", "task=boundary:tiny", f"task_options.width={args.width}",
+            "checkpoint.resume=never", *exporter, "task=boundary:tiny", f"task_options.width={args.width}",
             f"task_options.layers={args.layers}", f"task_options.train_size={size}",
             *args.set]  # fmt: skip
 
@@ -250,7 +252,10 @@ def task_job(args: argparse.Namespace, size: int, tmp: str) -> tuple[list[dict],
     from service.loop.train import build_job
 
     sets = overrides(args, size, tmp)
-    with runtimes({"task": sets, "task -hook": [*sets, "metrics.allreduce_timing=false"]}) as opened:
+    settings = {"task": sets}
+    if args.exporter == "on":  # without the exporter the comm hook is off already: "task -hook" would be "task"
+        settings["task -hook"] = [*sets, "metrics.allreduce_timing=false"]
+    with runtimes(settings) as opened:
         cuda = opened["task"].device.type == "cuda"
         bare = Bare(args, size, opened["task"].device)
         jobs = {name: build_job(runtime) for name, runtime in opened.items()}
@@ -260,8 +265,8 @@ def task_job(args: argparse.Namespace, size: int, tmp: str) -> tuple[list[dict],
             return lambda clock: clock.stop(task_epoch(opened[name], jobs[name], hooks[name]))
 
         writes = {name: Writes(runtime) for name, runtime in opened.items()}
-        rows = timed({"bare": bare.run, "task": door("task"), "task -hook": door("task -hook")}, args.runs, cuda,
-                     writes)  # fmt: skip
+        doors = {"bare": bare.run, **{name: door(name) for name in opened}}
+        rows = timed(doors, args.runs, cuda, writes)
         table = profiled(door("task"), cuda)
         bare.close()
     return rows, table
@@ -307,7 +312,7 @@ ITEMS: dict[str, tuple[tuple[str, str], ...]] = {
     "seeding": (("loop/stepping.py", "seed_step"),),
     "counting (state, plan)": (("loop/stepping.py", "count_step"),),
     "log window (s.log, step, report)": (("loop/window.py", "*"), ("loop/runtime.py", "log")),
-    "sinks: Prometheus": (("telemetry/metrics.py", "PrometheusSink"),),
+    "sinks: Prometheus": (("telemetry/prometheus.py", "*"),),
     "sinks: TensorBoard": (("telemetry/metrics.py", "TensorBoardSink"),),
     "sinks: log line, fan-out, goodput": (("telemetry/metrics.py", "*"), ("telemetry/goodput.py", "*")),
     "trace (off: a null object)": (("data/loaders.py", "record"),),
@@ -345,10 +350,10 @@ def _classes() -> dict[tuple[str, str], str]:
     """(file, function name) -> class name for the sink classes, so that a method is told apart by its class."""
     import inspect
 
-    from service.telemetry import metrics
+    from service.telemetry import metrics, prometheus
 
     found = {}
-    for cls in (metrics.PrometheusSink, metrics.TensorBoardSink):
+    for cls in (prometheus.PrometheusSink, metrics.TensorBoardSink):
         for function in vars(cls).values():
             if inspect.isfunction(function):
                 found[(function.__code__.co_filename, str(function.__code__.co_firstlineno))] = cls.__name__
@@ -475,6 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=1, help="the model: layers x Linear(width, width)")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--doors", default="task,session", help="the service's doors to run, each against bare")
+    parser.add_argument(
+        "--exporter",
+        choices=["on", "off"],
+        default="on",
+        help="on: metrics.port=auto (Prometheus, the comm hook); off: the config's default, port 0",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--worker", choices=["task", "session"])
     parser.add_argument("--out", type=Path)
@@ -492,11 +503,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         parser.error(f"--worlds takes process counts separated by commas (1,2); got {args.worlds!r}.")
     passed = ["--steps", str(args.steps), "--runs", str(args.runs), "--batch", str(args.batch), "--width",
-              str(args.width), "--layers", str(args.layers),
+              str(args.width), "--layers", str(args.layers), "--exporter", args.exporter,
               *(item for override in args.set for item in ("--set", override))]  # fmt: skip
     print(
         f"{args.steps} steps a run, {args.runs} run(s), batch {args.batch}, model {args.layers} x Linear"
-        f"({args.width}, {args.width}); {' '.join(args.set) or 'the defaults'} (metrics.port=auto)"
+        f"({args.width}, {args.width}); {' '.join(args.set) or 'the defaults'} "
+        f"({'metrics.port=auto' if args.exporter == 'on' else 'no exporter: metrics.port=0'})"
     )
     for world in worlds:
         results = {door: launch(__file__, world, [door, *passed], f"{door} run")

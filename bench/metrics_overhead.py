@@ -62,7 +62,7 @@ def _time_epochs(runtimes: dict, epochs: int, scrape_every: float) -> dict[str, 
     """Seconds per step of each epoch of each job (``paired.alternate``), a thread scraping the metrics meanwhile."""
     from paired import alternate
 
-    from service.telemetry.metrics import PrometheusSink
+    from service.telemetry.prometheus import PrometheusSink
 
     ports = [sink.port for sink in runtimes["on"].roles.sink.sinks if isinstance(sink, PrometheusSink)]
     if [sink for sink in runtimes["off"].roles.sink.sinks if isinstance(sink, PrometheusSink)]:

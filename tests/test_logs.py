@@ -24,12 +24,12 @@ from service.telemetry.metrics import (
     LogSink,
     NullSink,
     ProgressSink,
-    PrometheusSink,
     StepReport,
     TensorBoardSink,
     format_step,
     progress_sink,
 )
+from service.telemetry.prometheus import PrometheusSink
 from service.world.env import WorldInfo
 
 REPORT = StepReport(global_step=40, total_steps=100, epoch=1, loss=0.25, lr=0.01, samples_seen=640,

@@ -21,7 +21,8 @@ from service.loop.roles import build_roles
 from service.state.checkpoint import Rank0Checkpointer
 from service.state.checkpoint_io import CheckpointWriteError
 from service.telemetry.commtiming import AllreduceTimer, WaitClock, instrument
-from service.telemetry.metrics import BUCKETS, LABELS, PrometheusSink, StepReport
+from service.telemetry.metrics import StepReport
+from service.telemetry.prometheus import BUCKETS, LABELS, PrometheusSink
 from service.world.env import WorldInfo
 from service.world.preflight import check_against_world
 

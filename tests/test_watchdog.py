@@ -26,7 +26,7 @@ from service.config import ConfigError, load_config
 from service.state.preemption import Preemption
 from service.state.resume import config_hash
 from service.telemetry.hangs import append_hang, read_hangs, tally
-from service.telemetry.metrics import MetricsSink, PrometheusSink
+from service.telemetry.metrics import MetricsSink
 from service.telemetry.progress import (
     AUTO_FLOOR,
     BACKWARD,
@@ -41,6 +41,7 @@ from service.telemetry.progress import (
     p99,
     teardown_grace,
 )
+from service.telemetry.prometheus import PrometheusSink
 from service.telemetry.watchdog import PREFIX, STORE_DEADLINE, Watchdog, behind_ranks, parse_record
 from service.world.env import WorldInfo
 

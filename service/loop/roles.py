@@ -22,10 +22,10 @@ from service.telemetry.metrics import (
     FanOutSink,
     LogSink,
     MetricsSink,
-    PrometheusSink,
     TensorBoardSink,
     progress_sink,
 )
+from service.telemetry.prometheus import PrometheusSink
 from service.telemetry.summary import JsonSummaryWriter, SummaryWriter
 from service.world.env import WorldInfo
 

@@ -216,7 +216,10 @@ def sum_across(group: Any) -> Callable[[Sequence[float]], list[float]]:
         dist.all_reduce(tensor, group=group)
         return [float(value) for value in tensor.tolist()]
 
-    return total
+    def alone(values: Sequence[float]) -> list[float]:
+        return [float(value) for value in values]  # a world of one: its sums are its own (a log step's 56 µs)
+
+    return alone if dist.get_world_size(group) == 1 else total
 
 
 def barrier(group: Any) -> None:
