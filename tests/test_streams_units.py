@@ -150,7 +150,8 @@ def test_the_task_loop_shuts_its_loaders_workers_down_when_it_returns_or_raises(
     returns (a stream cut by max_steps, its feed still kept by the runtime as the stream's position) or raises (a
     map-style loader's persistent workers, held by the traceback's frames), no worker of its loader is alive. Left
     to the runtime's end, a stream's worker in a blocking read held ``ddp-service train`` (alone, 2 workers) 35 s
-    past its ``done:`` line; the loop's own shut-down kills it after 5 s."""
+    past its ``done:`` line, until the read returned; the loop's own shut-down kills such a worker (that run left
+    0.04 s after its ``done:``)."""
     import multiprocessing
 
     from conftest import REPO
