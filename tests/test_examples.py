@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import REPO, child_env, kill_group, read_summary, torchrun_cmd
@@ -87,14 +88,9 @@ def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path
 CLM = EXAMPLES / "clm_no_trainer.py"
 
 
-def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_digest(tmp_path, monkeypatch):
-    """examples/clm_no_trainer.py (transformers' run_clm_no_trainer.py structure on a session): a tiny GPT-2 and a
-    local word-level tokenizer on a local text file, 2 epochs through s.epochs(--num_train_epochs) at 2 processes;
-    rank 1 gets SIGTERM in epoch 1, and the rerun resumes in that epoch to the uninterrupted run's digest, with the
-    same evaluation (its perplexity per epoch, world-summed over s.eval_batches)."""
+def clm_corpus(tmp_path, monkeypatch) -> Path:
+    """100 lines of 5-15 words of a 40-word vocabulary; the datasets cache this test's own, offline."""
     import random
-
-    from test_session_e2e import run_script, signalled_then_rerun
 
     rng = random.Random(35)
     words = [f"w{index}" for index in range(40)]
@@ -102,7 +98,18 @@ def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_di
     corpus.write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + "\n"
                               for _ in range(100)))  # fmt: skip
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the datasets cache: this test's own
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    return corpus
+
+
+def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_digest(tmp_path, monkeypatch):
+    """examples/clm_no_trainer.py (transformers' run_clm_no_trainer.py structure on a session): a tiny GPT-2 and a
+    local word-level tokenizer on a local text file, 2 epochs through s.epochs(--num_train_epochs) at 2 processes;
+    rank 1 gets SIGTERM in epoch 1, and the rerun resumes in that epoch to the uninterrupted run's digest, with the
+    same evaluation (its perplexity per epoch, world-summed over s.eval_batches)."""
+    from test_session_e2e import run_script, signalled_then_rerun
+
+    corpus = clm_corpus(tmp_path, monkeypatch)
     args = ("--train_file", str(corpus), "--block_size", "16", "--per_device_train_batch_size", "4",
             "--num_train_epochs", "2")  # fmt: skip
     sets = ("train.log_every=1",)
@@ -118,5 +125,40 @@ def test_the_clm_no_trainer_port_resumes_a_preempted_run_to_the_uninterrupted_di
     assert stopped["stopped_at_step"] < straight["global_step"], stopped
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped["stopped_at_step"]
     assert "epoch 0: perplexity" not in output and output.count("epoch 1: perplexity") == 1  # resumed in epoch 1
+    assert resumed["model_digest"] == straight["model_digest"], output[-4000:]
+    assert resumed["eval_metrics"] == straight["eval_metrics"]
+
+
+def test_the_clm_no_trainer_ports_streaming_variant_trains_every_block_and_resumes_to_its_digest(tmp_path,
+                                                                                             monkeypatch):  # fmt: skip
+    """examples/clm_no_trainer.py --streaming: the train file as a ``datasets`` stream (the whole file, tokenized and
+    grouped into blocks of 16 as it is read), one block in every 2 to each rank (``split_dataset_by_node`` of a
+    one-file stream), 4 a batch: each of s.epochs(2) takes the steps of the rank with fewer blocks, and no more
+    (train.max_steps only bounds the stream); rank 1 gets SIGTERM in epoch 1, and the rerun goes on in the stream
+    to the uninterrupted run's digest and evaluation."""
+    from test_session_e2e import run_script, signalled_then_rerun
+
+    corpus = clm_corpus(tmp_path, monkeypatch)
+    tokens = sum(len(line.split()) + 1 for line in corpus.read_text().splitlines())  # each line's words, <eos>
+    blocks = tokens // 16  # group_texts over the stream's one batch of 1,000 lines: the remainder dropped
+    per_epoch = blocks // 2 // 4  # rank 1's blocks (the fewer) in whole batches of 4
+    args = ("--train_file", str(corpus), "--block_size", "16", "--per_device_train_batch_size", "4",
+            "--num_train_epochs", "2", "--streaming")  # fmt: skip
+    sets = ("train.log_every=1", "train.max_steps=1000")
+    output = run_script(CLM, 2, tmp_path / "straight", sets, args, str(REPO), start="warm")
+    straight = read_summary(tmp_path / "straight")
+    assert (straight["status"], straight["epochs_completed"]) == ("completed", 2), output[-3000:]
+    assert per_epoch >= 4 and straight["global_step"] == 2 * per_epoch, (blocks, straight["global_step"])
+    assert straight["samples_seen"] == 2 * per_epoch * 8 and straight["dropped_batches"] == 2 * (
+        (blocks + 1) // 2 // 4 - per_epoch
+    )  # rank 0's extra batch, when it has one, each epoch
+    assert output.count("epoch 1: perplexity") == 1 and set(straight["eval_metrics"]) == {"perplexity", "eval_loss"}
+
+    stopped, resumed, output = signalled_then_rerun(CLM, tmp_path / "run", sets, args, per_epoch + 2, monkeypatch,
+                                                    str(REPO))  # fmt: skip
+    assert per_epoch < stopped["stopped_at_step"] < straight["global_step"], stopped
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped["stopped_at_step"]
+    assert "epoch 0: perplexity" not in output and output.count("epoch 1: perplexity") == 1  # resumed in epoch 1
+    assert resumed["global_step"] == straight["global_step"]
     assert resumed["model_digest"] == straight["model_digest"], output[-4000:]
     assert resumed["eval_metrics"] == straight["eval_metrics"]

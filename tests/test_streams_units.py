@@ -136,3 +136,50 @@ def test_a_stream_without_state_reads_through_loader_workers_and_keeps_no_positi
         assert not feed.resumable and feed.state_dict() is None
     finally:
         feed.close()
+
+
+@pytest.mark.e2e  # loader worker processes
+@pytest.mark.parametrize(
+    ("task", "ends"),
+    [(("task=stream_tasks:numbers", "train.batch_size=4", "train.max_steps=3"), "completed"),
+     (("task=nan_tasks:nan_at", "task_options.steps=[3]"), "failed")],
+)  # fmt: skip
+def test_the_task_loop_shuts_its_loaders_workers_down_when_it_returns_or_raises(tmp_path: Path, monkeypatch,
+                                                                               task, ends) -> None:  # fmt: skip
+    """#35.1, the Task loop (a world of one, in this process, run as ``ddp-service train`` runs it): when ``train``
+    returns (a stream cut by max_steps, its feed still kept by the runtime as the stream's position) or raises (a
+    map-style loader's persistent workers, held by the traceback's frames), no worker of its loader is alive. Left
+    to the runtime's end, a stream's worker in a blocking read held ``ddp-service train`` (alone, 2 workers) 35 s
+    past its ``done:`` line, until the read returned; the loop's own shut-down kills such a worker (that run left
+    0.04 s after its ``done:``)."""
+    import multiprocessing
+
+    from conftest import REPO
+
+    from service.config import load_config
+    from service.loop.runtime import Runtime
+    from service.loop.train import run_task
+    from service.model.nonfinite import NonfiniteError
+    from service.state.preemption import Preemption
+    from service.world.env import detect_world
+
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "tasks"))
+    config = load_config(None, [f"run_dir={tmp_path}", "data.num_workers=2", "train.progress_bar=false",
+                                "metrics.tensorboard=false", "checkpoint.every_steps=0", *task])  # fmt: skip
+    before, preemption = set(multiprocessing.active_children()), Preemption()
+    try:
+        with Runtime.opened(config, detect_world({}), preemption) as runtime:
+            try:
+                if ends == "failed":
+                    with pytest.raises(NonfiniteError):
+                        run_task(runtime)
+                else:
+                    assert run_task(runtime)["global_step"] == 3
+                left = [child for child in multiprocessing.active_children() if child not in before]
+            finally:
+                if runtime.feed is not None:  # a failure below: its workers ignore SIGTERM, and would hold pytest
+                    runtime.feed.close()
+            assert not left, f"the loader's workers {left} outlived the loop"
+    finally:
+        preemption.close()
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == ends
