@@ -115,9 +115,12 @@ def test_losing_the_etcd_leader_mid_run_costs_no_restart(
 
 
 def quorum_job(run_dir: Path, steps: int) -> list[str]:
-    # ~0.35 s a step: the quorum goes at step 5 and the grace window (6 s) ends near step 25, long before step 50
-    # (15 s on); a checkpoint every 5 steps to resume from.
-    return slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5")
+    # ~0.35 s a step while the file "slow" beside run_dir exists: the quorum goes at step 5 and the grace window
+    # (6 s) ends near step 25, long before step 50 (15 s on); a checkpoint every 5 steps to resume from. The
+    # restart after the members' return, the same command, finishes at full speed once the test removed the file.
+    slow = run_dir.parent / "slow"
+    return slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5",
+                    "--set", f"task_options.sleep_while={slow}")  # fmt: skip
 
 
 GRACE = 6
@@ -127,6 +130,7 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
     etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
     run_dir, steps = tmp_path / "run", 50
+    (tmp_path / "slow").touch()  # quorum_job's slow steps, until the restart
     conf = f"grace_period={GRACE},read_timeout=1"
     a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
@@ -161,6 +165,7 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
 
     # Recovery: the members return, and the same command (same run id, same run_dir) resumes and finishes.
     restart_members(etcd_cluster, [1, 2])
+    (tmp_path / "slow").unlink()
     a2 = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     b2 = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     for agent in (a2, b2):
