@@ -31,6 +31,18 @@ def slow_job(run_dir: Path, max_steps: int, sleep: float, *extra: str) -> list[s
                       "--set", f"task_options.sleep={sleep}", *extra)  # fmt: skip
 
 
+# A node is live while its keep-alives get through: 3 of them 1 s apart (the defaults). A job that outlived an
+# outage by this long has met any lease it lost in it; the rest of its steps may go at full speed.
+AFTERMATH = 4
+
+
+def slowed(tmp_path: Path) -> tuple[Path, tuple[str, str]]:
+    """A file that keeps a slow_job's steps slow while it exists (task_options.sleep_while), and its override."""
+    slow = tmp_path / "slow"
+    slow.touch()
+    return slow, ("--set", f"task_options.sleep_while={slow}")
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -182,14 +194,18 @@ def test_quorum_back_inside_the_grace_window_is_survived_without_restart(
 ) -> None:
     run_dir, steps, grace = tmp_path / "run", 100, 20
     conf = f"grace_period={grace},read_timeout=1"
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1), rdzv_conf=conf)
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1), rdzv_conf=conf)
+    slow, until = slowed(tmp_path)
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
     a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
     etcd_cluster.members[1].kill()
     etcd_cluster.members[2].kill()
     time.sleep(4)  # no quorum for 4 s: every etcd request of the agents fails meanwhile
     assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
     restart_members(etcd_cluster, [1, 2])
+    time.sleep(AFTERMATH)
+    assert a.proc.poll() is None and b.proc.poll() is None, f"the job ended too soon to prove anything:\n{logs(a, b)}"
+    slow.unlink()
     assert_completed_without_restart(run_dir, steps, a, b)
 
 
@@ -422,12 +438,16 @@ def test_a_frozen_etcd_member_is_survived_without_restart(
     """
     make_leader(etcd_cluster, 1)
     run_dir, steps = tmp_path / "run", 100
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
+    slow, until = slowed(tmp_path)
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
     a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
     with frozen(etcd_cluster.members[0], FREEZE):
         time.sleep(FREEZE)
         assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    time.sleep(AFTERMATH)
+    assert a.proc.poll() is None and b.proc.poll() is None, f"the job ended too soon to prove anything:\n{logs(a, b)}"
+    slow.unlink()
     assert_completed_without_restart(run_dir, steps, a, b)
 
 
