@@ -28,7 +28,7 @@ WHY = "`make test` installs the Debian packages slurm-wlm and munge (apt-get, as
 CPUS_PER_NODE = 2  # two tasks per node: the bare-srun test runs 2 x 2 processes
 # A requeued job waits out the job credential's lifetime (Slurm's default: 120 s), then the scheduler's next
 # pass (default: every 60 s); short here, so a requeue test waits seconds.
-CRED_EXPIRE = 10
+CRED_EXPIRE = 5  # Slurm refuses less than 5 (and falls back to 120 s, which the requeue test would see)
 SCHED_INTERVAL = 1
 NODES = ("n1", "n2")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",

@@ -288,7 +288,7 @@ def test_prometheus_counts_samples_of_a_running_job(tmp_path: Path) -> None:
     cmd = torchrun_cmd(2, f"run_dir={tmp_path / 'run'}", "task=slow_tasks:slow_shapes", "task_options.sleep=0.06",
                        f"task_options.train_size={steps_per_epoch * per_rank * 2}", "task_options.eval_size=8",
                        f"train.batch_size={batch}", f"train.grad_accum={accum}", f"train.epochs={epochs}",
-                       f"metrics.port={base}")  # fmt: skip
+                       f"metrics.port={base}", start="warm")  # fmt: skip
     seen: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
     with subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True) as proc:  # fmt: skip

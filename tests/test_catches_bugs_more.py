@@ -220,7 +220,8 @@ def test_every_step_draws_from_its_own_seed_per_rank(tmp_path: Path) -> None:
     seed, steps, record = 11, 4, tmp_path / "record"
     run_job(tmp_path / "run", 2, "task=probe_tasks:recording_draws", f"task_options.record_dir={record}",
             "task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=8",
-            "train.batch_size=4", f"train.max_steps={steps}", f"seed={seed}", "data.num_workers=0")  # fmt: skip
+            "train.batch_size=4", f"train.max_steps={steps}", f"seed={seed}", "data.num_workers=0",
+            start="warm")  # fmt: skip
     draws = {rank: [json.loads(line) for line in (record / f"draws-rank{rank}.txt").read_text().splitlines()]
              for rank in (0, 1)}  # fmt: skip
     assert all(len(seen) == steps for seen in draws.values()), f"{steps} steps, one forward each: {draws}"

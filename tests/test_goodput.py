@@ -478,7 +478,7 @@ def test_a_job_with_fifos_at_its_ledger_and_hang_record_trains_and_its_log_names
         os.mkfifo(run_dir / name)
     done = run_job(run_dir, 2, "task_options.image_size=16", "task_options.train_size=64", "task_options.eval_size=16",
                    "task_options.width=4", "train.max_steps=2", "metrics.port=auto", "logging.all_ranks=true",
-                   timeout=120)  # fmt: skip
+                   start="warm", timeout=120)  # fmt: skip
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["global_step"] == 2 and summary["goodput"]["starts"] == 1
     for rank in (0, 1):

@@ -55,8 +55,10 @@ def dead_pid() -> int:
 
 
 def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
-    run_dir = tmp_path / "run"
-    job = (*SLOW, "train.max_steps=300", "train.epochs=10", "task_options.sleep=0.05")
+    run_dir, slow = tmp_path / "run", tmp_path / "slow"
+    slow.touch()  # the first job's steps sleep until the second one was refused, then go at full speed
+    job = (*SLOW, "train.max_steps=300", "train.epochs=10", "task_options.sleep=0.05",
+           f"task_options.sleep_while={slow}")  # fmt: skip
     first, watcher = start(run_dir, 1, *job)
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 2/", timeout=120)
@@ -71,6 +73,7 @@ def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
             assert needle in second.stdout, f"{needle!r} missing:\n{second.stdout[-3000:]}"
         assert " INFO step " not in second.stdout and took < 60
         assert first.poll() is None  # the refusal came while the first job was still training
+        slow.unlink()
         assert finish(first, watcher) == 0, watcher.text()[-3000:]
     finally:
         kill_group(first)

@@ -1,8 +1,11 @@
 """The product's headline, run as written: ``torchrun --nnodes=2 --nproc_per_node=4 -m service train``.
 
 Two torchrun agents ("nodes") on 127.0.0.2 and 127.0.0.3 make a world of 8 CPU processes, once through
-torch's c10d rendezvous and once through this package's etcd3 rendezvous with a real etcd. A tiny model
-and a few steps; each run must complete with world size 8, a TensorBoard dir for every rank and one summary.
+torch's c10d rendezvous (torchrun itself: 8 worker interpreters) and once through this package's etcd3
+rendezvous with a real etcd, as ``ddp-service launch --nnodes=2 --nproc-per-node=4 --rdzv-backend=etcd3``
+(the same torchrun agent, its workers forked from a fork server: 2 imports of torch instead of 8; the etcd3
+rendezvous under plain torchrun is tests/rendezvous/test_e2e.py's). A tiny model and a few steps; each run
+must complete with world size 8, a TensorBoard dir for every rank and one summary.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ def job(run_dir: Path) -> list[str]:
     return ["-m", "service", "train", *(item for override in overrides for item in ("--set", override))]
 
 
-def run_two_nodes(tmp_path: Path, backend: str, endpoint: str, run_id: str) -> tuple[Path, list[Agent]]:
+def run_two_nodes(tmp_path: Path, backend: str, endpoint: str, run_id: str, warm: bool = False
+                  ) -> tuple[Path, list[Agent]]:  # fmt: skip
     run_dir = tmp_path / backend
     agents = [Agent(tmp_path / f"{backend}-{addr}.log", addr, backend, endpoint, run_id, str(NNODES), NPROC,
-                    job(run_dir), max_restarts=0) for addr in ("127.0.0.2", "127.0.0.3")]  # fmt: skip
+                    job(run_dir), max_restarts=0, warm=warm) for addr in ("127.0.0.2", "127.0.0.3")]  # fmt: skip
     try:
         for agent in agents:
             code = agent.wait(timeout=150)
@@ -69,7 +73,7 @@ def test_two_nodes_of_four_processes_through_etcd3(tmp_path):
     etcd = start_single(require_etcd(), tmp_path)
     try:
         started = time.monotonic()
-        run_dir, agents = run_two_nodes(tmp_path, "etcd3", etcd.endpoint, "headline-etcd3")
+        run_dir, agents = run_two_nodes(tmp_path, "etcd3", etcd.endpoint, "headline-etcd3", warm=True)
         assert_headline(run_dir, agents)
         print(f"etcd3: 2 x 4 processes to completion in {time.monotonic() - started:.1f} s")
     finally:

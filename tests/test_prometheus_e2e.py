@@ -215,8 +215,9 @@ def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]
     try:
         for host in hosts:
             script = train_args(run_dir, STRAGGLER_STEPS, *options, "--set", f"metrics.host={host}")
+            # warm (conftest.STARTS): 2 imports of torch for the 4 workers; the metrics are the test, not the start
             agents.append(Agent(tmp / f"agent-{host}.log", host, "c10d", endpoint, run_id, "2", 2, script,
-                                max_restarts=0))  # fmt: skip
+                                max_restarts=0, warm=True))  # fmt: skip
         job = LiveJob(prometheus, agents, run_id, run_dir)
 
         def all_four_training() -> bool:
@@ -342,7 +343,7 @@ def test_restart_shows_as_restarts_metric_not_as_a_negative_rate(tmp_path: Path)
                         "--set", "train.log_every=2", "--set", "checkpoint.every_steps=0",
                         "--set", f"metrics.port={base}")  # fmt: skip
     agent = Agent(tmp_path / "agent.log", "127.0.0.1", "c10d", f"127.0.0.1:{free_port()}", run_id, "1", 2, script,
-                  max_restarts=1)  # fmt: skip
+                  max_restarts=1, warm=True)  # fmt: skip
     samples = f'ddp_train_samples_total{{run_id="{run_id}"}}'
     try:
         wait_until(lambda: len(prom.query(f"{samples} > 0")) == 2, 60, "both ranks scraped with samples")

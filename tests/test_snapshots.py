@@ -373,14 +373,16 @@ OFF = re.compile(r"WARNING in-memory snapshots are off on this node: (.*)")
 
 
 def run_sabotaged(base: Path, shm: Path, case: str, *sets: str) -> tuple[dict, str]:
-    """tests/scripts/snapshot_sabotage.py under torchrun, 2 processes, 8 steps, a snapshot due at every step (or
-    none, ``checkpoint.snapshot_every=0``), its snapshots failing from step 3 on as ``case`` says."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+    """tests/scripts/snapshot_sabotage.py under `ddp-service launch --script` (warm: its workers forked from the fork
+    server, conftest.STARTS; the snapshot writer is the same either way), 2 processes, 8 steps, a snapshot due at every
+    step (or none, ``checkpoint.snapshot_every=0``), its snapshots failing from step 3 on as ``case`` says."""
+    cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--max-restarts=0", "--script",
            str(SABOTAGE)]  # fmt: skip
     for override in (*QUICK, f"run_dir={base / 'run'}", f"checkpoint.snapshot_dir={shm}",
                      "train.max_steps=8", "checkpoint.snapshot_every=1", "metrics.goodput=false", *sets):  # fmt: skip
         cmd += ["--set", override]
-    done = subprocess.run([*cmd, case, "3"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    done = subprocess.run([*cmd, "--", case, "3"], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"exit {done.returncode}:\n{output[-6000:]}"
     summary = read_summary(base / "run")

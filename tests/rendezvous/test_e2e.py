@@ -65,8 +65,10 @@ def fixed_batch(global_batch: int, batch_size: int, train_size: int, every_steps
 # rank trains the plain task at ~70 steps/s here, too fast to add a node before it finishes.
 
 
-def slow_task(sleep: float) -> list[str]:
-    return ["--set", "task=slow_tasks:slow_shapes", "--set", f"task_options.sleep={sleep}"]
+def slow_task(sleep: float, sleep_while: Path | None = None) -> list[str]:
+    """``sleep_while``: the steps sleep only while that file exists (the test removes it once its event is over)."""
+    gate = ["--set", f"task_options.sleep_while={sleep_while}"] if sleep_while is not None else []
+    return ["--set", "task=slow_tasks:slow_shapes", "--set", f"task_options.sleep={sleep}", *gate]
 
 
 # A snapshot every step, not auto's measured interval (the tiny task's snapshot costs more than 1% of its step on a
@@ -233,8 +235,9 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     from its own snapshot. Then its worker is SIGKILLed: the restart resumes from the snapshot of its last step
     again, not from step 0. (The survivor's snapshots used to carry no lineage: only rank 0's checkpointer had one.)
     """
-    run_dir = tmp_path / "run"
-    job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05), "--set",
+    run_dir, slow = tmp_path / "run", tmp_path / "slow"
+    slow.touch()  # slow steps until the second resume; the rest of the run goes at full speed
+    job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05, slow), "--set",
                      "checkpoint.resume=never", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
@@ -245,6 +248,8 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     survivor.wait_for(rf"\[rank 0\] INFO step {first + 4}/", 60)
     completed = max(rank_steps([survivor]))
     os.kill(worker_pids(survivor.proc.pid)[0], signal.SIGKILL)
+    survivor.wait_for(r"(?s)\[rank 0\] INFO resuming from .*\[rank 0\] INFO resuming from ", 60)  # the second
+    slow.unlink()
     assert_ok(survivor, 120)
     result = summary(run_dir)
     assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (1, 60), result
@@ -473,8 +478,9 @@ def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survive
     exited with RecordError within 3 s). Both must be ignored with a warning, and the node loss survived."""
     secret = tmp_path / "secret"
     secret.write_text("a-secret-of-the-test-" + run_id + "\n")
-    run_dir, steps, conf = tmp_path / "run", 80, f"secret_file={secret}"
-    job = train_args(run_dir, steps, *slow_task(0.1), "--set", "checkpoint.every_steps=5")
+    run_dir, steps, conf, slow = tmp_path / "run", 80, f"secret_file={secret}", tmp_path / "slow"
+    slow.touch()  # slow steps until the survivor resumed after the node loss; the rest at full speed
+    job = train_args(run_dir, steps, *slow_task(0.1, slow), "--set", "checkpoint.every_steps=5")
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
     a.wait_for(r"\[rank 0\] INFO step 3/", 120)
@@ -487,6 +493,8 @@ def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survive
     assert etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base + "closed").strip() == ""
     assert "evil" not in etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base)
     victim, survivor = kill_rank0_node(a, b)[:2]
+    survivor.wait_for(r"\[rank 0\] INFO resuming from ", 60)
+    slow.unlink()
     assert_ok(survivor, 120)
     assert "ignored and deleted" in survivor.log(), survivor.log()[-3000:]
     for error in ("RendezvousClosedError", "RecordError"):

@@ -31,6 +31,18 @@ def slow_job(run_dir: Path, max_steps: int, sleep: float, *extra: str) -> list[s
                       "--set", f"task_options.sleep={sleep}", *extra)  # fmt: skip
 
 
+# A node is live while its keep-alives get through: 3 of them 1 s apart (the defaults). A job that outlived an
+# outage by this long has met any lease it lost in it; the rest of its steps may go at full speed.
+AFTERMATH = 4
+
+
+def slowed(tmp_path: Path) -> tuple[Path, tuple[str, str]]:
+    """A file that keeps a slow_job's steps slow while it exists (task_options.sleep_while), and its override."""
+    slow = tmp_path / "slow"
+    slow.touch()
+    return slow, ("--set", f"task_options.sleep_while={slow}")
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -115,9 +127,12 @@ def test_losing_the_etcd_leader_mid_run_costs_no_restart(
 
 
 def quorum_job(run_dir: Path, steps: int) -> list[str]:
-    # ~0.35 s a step: the quorum goes at step 5 and the grace window (6 s) ends near step 25, long before step 50
-    # (15 s on); a checkpoint every 5 steps to resume from.
-    return slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5")
+    # ~0.35 s a step while the file "slow" beside run_dir exists: the quorum goes at step 5 and the grace window
+    # (6 s) ends near step 25, long before step 50 (15 s on); a checkpoint every 5 steps to resume from. The
+    # restart after the members' return, the same command, finishes at full speed once the test removed the file.
+    slow = run_dir.parent / "slow"
+    return slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5",
+                    "--set", f"task_options.sleep_while={slow}")  # fmt: skip
 
 
 GRACE = 6
@@ -127,6 +142,7 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
     etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
     run_dir, steps = tmp_path / "run", 50
+    (tmp_path / "slow").touch()  # quorum_job's slow steps, until the restart
     conf = f"grace_period={GRACE},read_timeout=1"
     a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
@@ -161,6 +177,7 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
 
     # Recovery: the members return, and the same command (same run id, same run_dir) resumes and finishes.
     restart_members(etcd_cluster, [1, 2])
+    (tmp_path / "slow").unlink()
     a2 = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     b2 = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, quorum_job(run_dir, steps), rdzv_conf=conf)
     for agent in (a2, b2):
@@ -177,14 +194,17 @@ def test_quorum_back_inside_the_grace_window_is_survived_without_restart(
 ) -> None:
     run_dir, steps, grace = tmp_path / "run", 100, 20
     conf = f"grace_period={grace},read_timeout=1"
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1), rdzv_conf=conf)
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1), rdzv_conf=conf)
+    slow, until = slowed(tmp_path)
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
     a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
     etcd_cluster.members[1].kill()
     etcd_cluster.members[2].kill()
     time.sleep(4)  # no quorum for 4 s: every etcd request of the agents fails meanwhile
     assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
     restart_members(etcd_cluster, [1, 2])
+    time.sleep(AFTERMATH)  # the job's steps as slow as before until then (it may end meanwhile, as it could before)
+    slow.unlink()
     assert_completed_without_restart(run_dir, steps, a, b)
 
 
@@ -417,12 +437,15 @@ def test_a_frozen_etcd_member_is_survived_without_restart(
     """
     make_leader(etcd_cluster, 1)
     run_dir, steps = tmp_path / "run", 100
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1))
+    slow, until = slowed(tmp_path)
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
     a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
     with frozen(etcd_cluster.members[0], FREEZE):
         time.sleep(FREEZE)
         assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    time.sleep(AFTERMATH)  # the job's steps as slow as before until then (it may end meanwhile, as it could before)
+    slow.unlink()
     assert_completed_without_restart(run_dir, steps, a, b)
 
 

@@ -40,7 +40,8 @@ IDLE_WORKER = """
 import os, sys, time
 print(f"idle worker pid={os.getpid()} rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')}", flush=True)
 deadline = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < deadline:
+stop = sys.argv[2] if len(sys.argv) > 2 else None  # a file that ends the idling early once it exists
+while time.monotonic() < deadline and not (stop and os.path.exists(stop)):
     time.sleep(0.1)
 print("idle worker done", flush=True)
 """
@@ -170,7 +171,8 @@ def idle_script(tmp_path: Path) -> Path:
 def test_second_job_with_the_same_run_id_is_refused_and_the_first_carries_on(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, [str(idle_script(tmp_path)), "12"])
+    stop = tmp_path / "stop"
+    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, [str(idle_script(tmp_path)), "60", str(stop)])
     a.wait_for(r"idle worker pid=\d+ rank=0 world=1", timeout=90)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, [SMOKE])
     assert b.wait(timeout=90) != 0
@@ -180,7 +182,10 @@ def test_second_job_with_the_same_run_id_is_refused_and_the_first_carries_on(
     fingerprints = re.findall(r"fingerprint ([0-9a-f]{16})", refusal)
     assert len(set(fingerprints)) == 2, refusal[-3000:]
     assert "allreduce rank" not in refusal  # its worker never started
-    # The first job never saw the second: no restart into a bigger world, and it ends well.
+    # The first job never saw the second: no restart into a bigger world, and it ends well. It idles on for 4 s
+    # after the refusal (a node's liveness is 3 s: 3 keep-alives 1 s apart), then ends.
+    time.sleep(4)
+    stop.touch()
     assert a.wait(timeout=90) == 0
     log = a.log()
     assert "idle worker done" in log and "world=2" not in log and "new nodes" not in log

@@ -6,6 +6,9 @@ prove that the step's randomness replays exactly. ``task_options.long_step_at``
 (a training forward count, from 1) makes that one forward sleep
 ``task_options.long_step_seconds`` (5 s) on the ranks in ``task_options.long_step_ranks``
 (all by default), and prints ``long step begins`` to stderr as it starts.
+``task_options.sleep_while`` (a path) keeps that sleep only while the path exists: a test slows a run down until
+its event has been seen, then removes the file and lets the rest of the run go at full speed (the same
+command, so the same config, either way).
 ``task_options.slow_state_seconds`` makes rank 0's first ``state_dict()`` after training began (its
 checkpoint's) sleep that long, printing ``slow state_dict begins`` to stderr: a slow save, without a large state.
 (Every rank calls ``state_dict()`` for the summary's digest; only ``RANK`` 0's sleeps.)
@@ -37,10 +40,11 @@ from service.tasks.base import Task, TaskSpec
 
 class Sleepy(nn.Module):
     def __init__(self, inner: nn.Module, seconds: float, dropout: float, long_step_at: int = 0,
-                 long_step_seconds: float = 5.0) -> None:  # fmt: skip
+                 long_step_seconds: float = 5.0, sleep_while: str | None = None) -> None:  # fmt: skip
         super().__init__()
         self.inner = inner
         self.seconds = seconds
+        self.sleep_while = sleep_while
         self.dropout = nn.Dropout(dropout)
         self.long_step_at = long_step_at
         self.long_step_seconds = long_step_seconds
@@ -61,7 +65,7 @@ class Sleepy(nn.Module):
             if self.forwards == self.long_step_at:
                 print(f"long step begins: {self.long_step_seconds} s", file=sys.stderr, flush=True)
                 time.sleep(self.long_step_seconds)
-        if self.training and self.seconds:
+        if self.training and self.seconds and (self.sleep_while is None or os.path.exists(self.sleep_while)):
             time.sleep(self.seconds)
         return self.inner(self.dropout(x))
 
@@ -102,7 +106,7 @@ def slow_shapes(spec: TaskSpec) -> Task:
     """shapes-segmentation, plus ``task_options.sleep`` seconds per training micro-step."""
     own = ("sleep", "dropout", "long_step_at", "long_step_seconds", "long_step_ranks", "tokens_per_sample",
            "slow_rank", "slow_rank_sleep", "slow_state_seconds", "item_sleep", "linger_seconds",
-           "linger_rank", "stall_at", "stall_seconds", "stall_rank")  # fmt: skip
+           "linger_rank", "stall_at", "stall_seconds", "stall_rank", "sleep_while")  # fmt: skip
     options = {key: value for key, value in spec.options.items() if key not in own}
     task = shapes.build(TaskSpec(seed=spec.seed, options=options))
     ranks = spec.option("long_step_ranks", None)
@@ -114,7 +118,8 @@ def slow_shapes(spec: TaskSpec) -> Task:
     if slow_rank is not None and os.environ.get("RANK") == str(int(slow_rank)):
         seconds += float(spec.option("slow_rank_sleep", 0.0))
     model = Sleepy(task.model, seconds, float(spec.option("dropout", 0.0)),
-                   long_step_at, float(spec.option("long_step_seconds", 5.0)))  # fmt: skip
+                   long_step_at, float(spec.option("long_step_seconds", 5.0)),
+                   spec.option("sleep_while", None))  # fmt: skip
     if os.environ.get("RANK", "0") == "0":
         model.slow_state_seconds = float(spec.option("slow_state_seconds", 0.0))
     per_sample = int(spec.option("tokens_per_sample", 0))
