@@ -33,7 +33,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.state.weights import WeightsError, check_out, checkpoint_weights, export_weights, pick_step
+    from service.state.checkpoint_io import pick_step
+    from service.state.weights import WeightsError, check_out, checkpoint_weights, export_weights
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     fmt = args.fmt or ("pt" if out.suffix in (".pt", ".pth") else "safetensors")

@@ -21,8 +21,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.state.checkpoint_io import _fsync_dir, _write_synced, state_name
-from service.state.files import read_small
+from service.state.files import fsync_dir, read_small, write_synced
+from service.state.names import state_name
 
 BEST_NAME = "best.json"
 _MAX_BYTES = 16 * 1024
@@ -108,8 +108,8 @@ def write_best(directory: Path, record: BestRecord) -> None:
     target = directory / BEST_NAME
     tmp = directory / f".{BEST_NAME}.{os.getpid()}.tmp"
     try:
-        _write_synced(tmp, lambda file: file.write(record.model_dump_json(indent=2).encode()))
+        write_synced(tmp, lambda file: file.write(record.model_dump_json(indent=2).encode()))
         os.replace(tmp, target)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     finally:
         tmp.unlink(missing_ok=True)

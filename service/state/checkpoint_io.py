@@ -40,8 +40,10 @@ from typing import Any, BinaryIO, cast
 import torch
 from pydantic import ValidationError
 
-from service.state.files import open_regular, read_small
+from service.state.best import read_best
+from service.state.files import fsync_dir, open_regular, read_small, write_synced
 from service.state.manifest import Checksum, HashingWriter, Manifest, new_digest, save_without_crc32
+from service.state.names import manifest_name, state_name
 
 log = logging.getLogger(__name__)
 
@@ -95,29 +97,10 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds pickled objects other than tensors and plain containers; it was not executed."""
 
 
-def state_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
+class WeightsError(ValueError):
+    """A weights file cannot be read or does not fit; the message names the file and the fix."""
 
-
-def manifest_name(step: int) -> str:
-    return f"step-{step:08d}.json"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, write: Any) -> Any:
-    """Create ``path``, let ``write(file)`` fill it, fsync it; returns what ``write`` returns."""
-    with open(path, "wb") as file:
-        result = write(file)
-        file.flush()
-        os.fsync(file.fileno())
-    return result
+    exit_code = 2
 
 
 def nearest_existing(path: Path) -> Path:
@@ -174,19 +157,19 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], config_h
                 raise
             finally:
                 with contextlib.suppress(OSError, ValueError):  # a failed flush: the error above is the one told
-                    buffered.close()  # closes the hashing writer only: the file stays open for _write_synced's fsync
+                    buffered.close()  # closes the hashing writer only: the file stays open for write_synced's fsync
             return writer
 
-        writer = _write_synced(tmp_state, save)
+        writer = write_synced(tmp_state, save)
         manifest = Manifest.model_validate({
             "step": step, "file": final.name, "size": writer.size, checksum: writer.digest.hexdigest(),
             "config_hash": config_hash, "torch": str(torch.__version__), "service": __version__,
             "created": time.time(), "lineage": lineage,
         })  # fmt: skip
-        _write_synced(tmp_manifest, lambda file: file.write(manifest.to_json()))
+        write_synced(tmp_manifest, lambda file: file.write(manifest.to_json()))
         os.replace(tmp_state, final)
         os.replace(tmp_manifest, manifest_path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
         for leftover in (tmp_state, tmp_manifest):
             leftover.unlink(missing_ok=True)
@@ -239,6 +222,33 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def saved_steps(directory: Path) -> list[int]:
     """Steps that have a manifest (a save that finished, checked or not), newest first."""
     return [step for step in candidate_steps(directory) if (directory / manifest_name(step)).exists()]
+
+
+def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:
+    """The checkpoint directory and step that ``which`` (``latest``, ``best`` or a step number) names."""
+    directory = checkpoint_dir(run_dir)
+    steps = saved_steps(directory)
+    if not steps:
+        raise WeightsError(f"{run_dir} holds no checkpoint (no {directory}/step-NNNNNNNN.json); point it at "
+                           "the run_dir of a run that saved one (checkpoint.every_steps, or its end)")  # fmt: skip
+    if which == "latest":
+        return directory, steps[0]
+    if which == "best":
+        try:
+            record = read_best(directory)
+        except ValueError as exc:
+            raise WeightsError(f"{exc}; export --step latest or a step number instead") from None
+        if record is None:
+            raise WeightsError(f"{run_dir} has no best checkpoint ({directory}/best.json): its run did not set "
+                               "checkpoint.best, or stopped before an evaluation. Train with checkpoint.best: "
+                               "{metric: NAME, mode: min|max}, or export --step latest or a step number.")  # fmt: skip
+        return directory, record.step
+    step = int(which) if which.isdigit() else None
+    if step is None or step not in steps:
+        listed = ", ".join(str(s) for s in sorted(steps))
+        raise WeightsError(f"{run_dir} has no checkpoint of step {which}; it has steps {listed}. Pass one of "
+                           "those, latest or best to --step.")  # fmt: skip
+    return directory, step
 
 
 def read_manifest(directory: Path, step: int) -> Manifest:

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}  # fmt: skip
@@ -108,3 +108,21 @@ def bounded_lines(file: BinaryIO, max_line: int) -> Iterator[bytes | None]:
         while line and not line.endswith(b"\n"):  # the rest of an over-long line, a piece at a time
             line = file.readline(max_line + 1)
         yield None
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the names in ``directory`` durable (a rename into it, a file made in it)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, write: Any) -> Any:
+    """Create ``path``, let ``write(file)`` fill it, fsync it; returns what ``write`` returns."""
+    with open(path, "wb") as file:
+        result = write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    return result

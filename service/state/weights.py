@@ -22,19 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from service.state.best import read_best
 from service.state.checkpoint_io import (
     FORMAT,
     UnsafeCheckpointError,
+    WeightsError,
     _step_of,
-    checkpoint_dir,
     load_state,
     load_tensors,
     manifest_name,
     missing_keys,
     module_names,
+    pick_step,
     read_verified,
-    saved_steps,
     state_name,
 )
 from service.state.files import kind_of, open_regular
@@ -43,12 +42,6 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "pt")
 _SHOWN = 5  # keys named in an error, of each kind
-
-
-class WeightsError(ValueError):
-    """A weights file cannot be read or does not fit; the message names the file and the fix."""
-
-    exit_code = 2
 
 
 def strip_prefixes(weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,33 +65,6 @@ def _names(keys: list[str]) -> str:
 
 
 # --- where a checkpoint is -------------------------------------------------------------------------------------
-
-
-def pick_step(run_dir: Path, which: str) -> tuple[Path, int]:
-    """The checkpoint directory and step that ``which`` (``latest``, ``best`` or a step number) names."""
-    directory = checkpoint_dir(run_dir)
-    steps = saved_steps(directory)
-    if not steps:
-        raise WeightsError(f"{run_dir} holds no checkpoint (no {directory}/step-NNNNNNNN.json); point it at "
-                           "the run_dir of a run that saved one (checkpoint.every_steps, or its end)")  # fmt: skip
-    if which == "latest":
-        return directory, steps[0]
-    if which == "best":
-        try:
-            record = read_best(directory)
-        except ValueError as exc:
-            raise WeightsError(f"{exc}; export --step latest or a step number instead") from None
-        if record is None:
-            raise WeightsError(f"{run_dir} has no best checkpoint ({directory}/best.json): its run did not set "
-                               "checkpoint.best, or stopped before an evaluation. Train with checkpoint.best: "
-                               "{metric: NAME, mode: min|max}, or export --step latest or a step number.")  # fmt: skip
-        return directory, record.step
-    step = int(which) if which.isdigit() else None
-    if step is None or step not in steps:
-        listed = ", ".join(str(s) for s in sorted(steps))
-        raise WeightsError(f"{run_dir} has no checkpoint of step {which}; it has steps {listed}. Pass one of "
-                           "those, latest or best to --step.")  # fmt: skip
-    return directory, step
 
 
 def pick_module(state: dict[str, Any], module: str | None, source: str) -> str:
