@@ -29,14 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.config.reading import (  # noqa: F401 (re-exported: the config's public names live here)
-    MAX_CONFIG_BYTES,
-    MAX_DEPTH,
-    MAX_VALUES,
-    ConfigError,
-    apply_overrides,
-    read_yaml,
-)
+from service.config.reading import ConfigError, apply_overrides, read_yaml
 from service.tasks.registry import BUILTIN_TASKS
 
 _TASK_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
