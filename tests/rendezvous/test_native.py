@@ -31,8 +31,8 @@ from service.rendezvous.client import EtcdClient
 from service.rendezvous.factory import build_handler
 from service.rendezvous.lease import NodeLease, RunLostError
 from service.rendezvous.native.ranges import Entry
-from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, RecordError, SealRecord
-from service.rendezvous.native.rounds import seal_due, try_join, try_seal, view_round
+from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, RankRecord, RecordError, SealRecord
+from service.rendezvous.native.rounds import read_rank, seal_due, try_join, try_seal, view_round
 from service.rendezvous.options import parse_options
 from service.rendezvous.ports import ephemeral_range
 
@@ -151,7 +151,9 @@ def test_two_sealers_that_both_see_max_nodes_seal_once_and_read_the_same_record(
         assert sorted(won) == [False, True], won
         records = [_view(c, layout, 0)[1].seal for c in clients]
         assert records[0] is not None and records[0] == records[1]
-        assert records[0].members == ["a-node", "b-node"]  # the first two joiners, ranked by node id
+        # the first two joiners, ranked by node id; the third is not a member
+        ranks = [read_rank(clients[1], layout, 0, records[0], n) for n in ("a-node", "b-node", "c-node")]
+        assert records[0].world == 2 and ranks == [0, 1, None]
     finally:
         for lease in leases:
             lease.revoke()
@@ -171,13 +173,14 @@ def test_a_joiner_during_the_seal_is_either_sealed_in_or_refused(etcd_server: Et
         assert _view(client, layout, 0)[1].seal is None
         revision, view = _view(client, layout, 0)
         assert try_seal(client, layout, view, revision, 8, "a", leases[0].grant())
-        assert _view(client, layout, 0)[1].seal.members == ["a", "b", "c"]
+        seal = _view(client, layout, 0)[1].seal
+        assert seal.world == 3 and [read_rank(client, layout, 0, seal, n) for n in "abc"] == [0, 1, 2]
         late = NodeLease(client, 10, 3, lambda reason: None)
         leases.append(late)
         written, _, seal, closed, _ = try_join(
             client, layout, 0, NodeRecord(node="d", addr="x", pid=1, round=0), late.grant(), None
         )
-        assert written == 0 and closed is None and SealRecord.model_validate_json(seal).members == ["a", "b", "c"]
+        assert written == 0 and closed is None and SealRecord.model_validate_json(seal).world == 3
     finally:
         for lease in leases:
             lease.revoke()
@@ -190,16 +193,24 @@ def test_a_joiner_during_the_seal_is_either_sealed_in_or_refused(etcd_server: Et
     min_nodes=st.integers(1, 6),
     extra=st.integers(0, 6),
     earlier=st.integers(0, 2),
+    member_of=st.sampled_from([-1, 1, 2]),
     order=st.randoms(),
 )
 def test_members_are_the_first_joiners_whatever_order_the_keys_arrive_in(
-    revisions: list[int], min_nodes: int, extra: int, earlier: int, order: Any
+    revisions: list[int], min_nodes: int, extra: int, earlier: int, member_of: int, order: Any
 ) -> None:
+    """Members by join order; sealed at once when full or when a member of the previous round (2) is back."""
     layout = Layout.of(PREFIX, "prop")
     items = [
         (
             layout.node_key(3, f"n{r}"),
-            Entry(NodeRecord(node=f"n{r}", addr="h", pid=1, round=3).model_dump_json().encode(), r, r),
+            Entry(
+                NodeRecord(node=f"n{r}", addr="h", pid=1, round=3, member_of=member_of if r == revisions[-1] else -1)
+                .model_dump_json()
+                .encode(),
+                r,
+                r,
+            ),
         )
         for r in revisions
     ]
@@ -212,7 +223,7 @@ def test_members_are_the_first_joiners_whatever_order_the_keys_arrive_in(
     if earlier or len(revisions) < min_nodes:
         assert due is None  # never while a previous member is still around, never below min
     else:
-        assert due == ("now" if len(revisions) >= max_nodes else "last_call")
+        assert due == ("now" if len(revisions) >= max_nodes or member_of == 2 else "last_call")
 
 
 # -- lease loss, departures, steady state ------------------------------------------------------------
@@ -239,7 +250,7 @@ def test_lease_loss_mid_run_fails_loudly_and_never_forms_a_second_world(etcd_ser
     assert (info.rank, info.world_size) == (0, 1)
     with pytest.raises(RunLostError):
         a.next_rendezvous()  # sticky: the lost node never joins again
-    assert a.node not in b._members
+    assert b._sealed is not None and b._sealed.world == 1 and b._round == 1
 
 
 @pytest.mark.e2e
@@ -428,7 +439,8 @@ def test_a_signed_layout_refuses_unsigned_and_wrongly_signed_values_without_etcd
     unsigned, other = Layout.of(PREFIX, "run"), Layout.of(PREFIX, "run", b"another secret, 16+ chars")
     records = [
         (signed.node_key(0, "a"), NodeRecord(node="a", addr="x", pid=1, round=0)),
-        (signed.seal_key(0), SealRecord(round=0, members=["a"], addrs=["x"], sealed_by="a")),
+        (signed.seal_key(0), SealRecord(round=0, world=1, cutoff=5, sealed_by="a")),
+        (signed.rank_key(0, "a", "a"), RankRecord(round=0, rank=0, world=1, sealed_by="a")),
         (signed.closed, ClosedRecord(closed_by="a")),
     ]
     for key, record in records:
@@ -457,9 +469,7 @@ def _forgeries(run_id: str) -> dict[bytes, bytes]:
     return {
         layout.closed: b"x",  # unsigned: once obeyed as "the job has finished"
         layout.rounds + b"000000000099/evil": b"x",  # unsigned, no lease: once fatal (RecordError) within 3 s
-        layout.seal_key(99): SealRecord(round=99, members=["evil"], addrs=["evil"], sealed_by="evil")
-        .model_dump_json()
-        .encode(),
+        layout.seal_key(99): SealRecord(round=99, world=1, cutoff=1, sealed_by="evil").model_dump_json().encode(),
         intruder: other.encode(intruder, NodeRecord(node="intruder", addr="evil", pid=1, round=1)),
     }
 

@@ -1,6 +1,7 @@
 """What ``ddp-service rdzv`` reads and writes for a run of the native handler (keys under ``<run>/rdzv/``).
 
-Everything there is validated JSON (``records.py``); nothing is unpickled. A
+The ranks of a sealed round are read from its sealer's rank keys (``ranks/<r>/<sealer>/``): an admin tool
+may read O(N). Everything there is validated JSON (``records.py``); nothing is unpickled. A
 node counts as live while its key exists: the key is on the node's own lease,
 so it vanishes within the lease TTL once the node stops refreshing it.
 """
@@ -10,7 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, RecordError, SealRecord
+from service.rendezvous.native.records import (
+    ClosedRecord,
+    Layout,
+    NodeRecord,
+    RankRecord,
+    RecordError,
+    SealRecord,
+)
 
 
 def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | None) -> bool:
@@ -25,6 +33,7 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
     info.has_state = True
     nodes: dict[int, list[tuple[str, int]]] = {}
     seals: dict[int, SealRecord] = {}
+    ranks: dict[tuple[int, str], list[tuple[int, str]]] = {}  # (round, sealer) -> (rank, node)
     try:
         for value, meta in found:
             parsed = layout.parse_node_key(meta.key)
@@ -33,6 +42,9 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
                 nodes.setdefault(parsed[0], []).append((record.node, meta.create_revision))
             elif (round_no := layout.parse_seal_key(meta.key)) is not None:
                 seals[round_no] = layout.decode(SealRecord, value, meta.key)
+            elif (rank_key := layout.parse_rank_key(meta.key)) is not None:
+                rank = layout.decode(RankRecord, value, meta.key)
+                ranks.setdefault(rank_key[:2], []).append((rank.rank, rank_key[2]))
             elif meta.key == layout.closed:
                 layout.decode(ClosedRecord, value, meta.key)
                 info.closed = True
@@ -48,7 +60,7 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
         live = {node for node, _ in nodes.get(newest, [])}
         info.participants = [
             {"node": node, "rank": rank, "heartbeat_age": 0.0 if node in live else None}
-            for rank, node in enumerate(seals[newest].members)
+            for rank, node in sorted(ranks.get((newest, seals[newest].sealed_by), []))
         ]
     after = -1 if newest is None else newest
     waiting = [(rev, node) for r, entries in nodes.items() if r > after for node, rev in entries]

@@ -6,8 +6,9 @@ revision per heartbeat. Here (key layout in ``records.py``, the rules in ``round
 each node holds its own lease (TTL = the liveness timeout), refreshed by keep-alives that write no revision;
 a join is one transaction writing one JSON key on that lease; each node keeps a watched copy of the keys that
 matter to it (``mirror.py``, ``watching.py``), so nobody polls, ``num_nodes_waiting`` costs no request, and a
-join reaches only the round's first few joiners; the first joiner seals the round with one transaction and
-everyone reads the same record; a dead node's key goes with its lease, and the survivors'
+join reaches only the round's first few joiners; the first joiner seals the round with one transaction (its
+ranks, one key per member, in chunks with it: ``sealing.py``), and every node reads the small seal and then its
+own rank key, O(1) bytes each; a dead node's key goes with its lease, and the survivors'
 ``num_nodes_waiting`` turns positive, so torchrun restarts them into a new round.
 
 Split-brain guard: once this node is a member of a sealed round, its own key and that round's seal must stay.
@@ -42,7 +43,8 @@ from service.rendezvous.native.errors import closed_error, connection_error, joi
 from service.rendezvous.native.guard import SplitBrainGuard
 from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, SealRecord
-from service.rendezvous.native.rounds import RoundView, latest_sealed, seal_due, try_join, try_seal, view_round
+from service.rendezvous.native.rounds import RoundView, latest_sealed, seal_due, try_join, view_round
+from service.rendezvous.native.sealing import Sealing
 from service.rendezvous.native.watching import ROUNDS, RoundWatches
 from service.rendezvous.ports import listen_port
 from service.rendezvous.requests import RangeRead
@@ -56,7 +58,7 @@ _SETTLE = 0.01
 _REJOINS = 3
 
 
-class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
+class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, RendezvousHandler):
     """torch's handler interface on etcd leases, per-node keys, watches and transactions."""
 
     def __init__(
@@ -83,7 +85,9 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
         self._sealer = False  # among its round's first joiners: it watches the whole round and may seal it
         self._round: int | None = None  # the sealed round this node is a member of
         self._seal_created = 0
-        self._members: list[str] = []
+        self._sealed: SealRecord | None = None  # the seal of the round it is a member of
+        self._seal_revision = 0
+        self._member_of = -1  # the last round it was a member of, written into its next join (``seal_due``)
         self._lost: RunLostError | None = None
         self._evicted: str | None = None  # its key went while etcd did not answer: it rejoins (see _gone)
         self._tcp_store: dist.TCPStore | None = None
@@ -111,20 +115,22 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
         with self._lock:
             self.start()
             deadline = time.monotonic() + self._parts.options.join_timeout
-            self._round, self._members, self._seal_created = None, [], 0
+            if self._round is not None:
+                self._member_of = self._round
+            self._round, self._sealed, self._seal_created = None, None, 0
             if self._evicted is not None or self._lease.lost is not None:  # its old key is gone: a fresh lease
                 self._evicted, self._key = None, None
                 self._renew_lease()
             try:
-                round_no, seal, seal_revision = self._join_and_wait(deadline)
+                round_no, seal, self._seal_revision, rank = self._join_and_wait(deadline)
             except RunLostError:
                 raise
             except BaseException:
                 self._leave()
                 raise
-            self._round, self._members = round_no, list(seal.members)
-            self._watch_as_member(round_no, seal_revision)
-            rank, world = seal.members.index(self._node), len(seal.members)
+            self._round, self._sealed = round_no, seal
+            self._watch_as_member(round_no, self._seal_revision)
+            world = seal.world
         log.info(
             "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
             self._node, round_no, self.get_run_id(), rank, world,
@@ -209,16 +215,20 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
             raise connection_error(exc) from exc
         self._started = True
 
-    def _join_and_wait(self, deadline: float) -> tuple[int, SealRecord, int]:
-        """Join rounds until one is sealed with this node in it: (its number, its seal, the seal's revision)."""
+    def _join_and_wait(self, deadline: float) -> tuple[int, SealRecord, int, int]:
+        """Join rounds until one is sealed with this node in it: (its number, its seal, the seal's revision, its
+        rank)."""
         with self._mirror.cond:
             newest = latest_sealed(self._layout, self._mirror.items())
         round_no = 0 if newest is None else newest + 1
         rejoins = 0
         while True:
             self._drop_round_watches()
-            sealed = self._join(round_no)
-            if sealed is None and self._lease.lost is None:
+            if self._join(round_no):  # refused, sealed first: its key is not in it, nor is this node
+                round_no += 1
+                continue
+            sealed = None
+            if self._lease.lost is None:
                 with self._mirror.cond:
                     deletions = self._mirror.deletions
                 self._watch_round(round_no)
@@ -235,8 +245,9 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
                 self._renew_lease()
                 continue
             seal, seal_revision = sealed
-            if self._node in seal.members:
-                return round_no, seal, seal_revision
+            rank = self._read_rank(round_no, seal)
+            if rank is not None:
+                return round_no, seal, seal_revision, rank
             round_no += 1  # sealed without this node: the next round
 
     def _renew_lease(self) -> None:
@@ -245,9 +256,10 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
         except EtcdError as exc:
             raise connection_error(exc) from exc
 
-    def _join(self, round_no: int) -> tuple[SealRecord, int] | None:
-        """Write this node's key into ``round_no``; the round's seal (and its revision) when it was sealed first."""
-        record = NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no)
+    def _join(self, round_no: int) -> bool:
+        """Write this node's key into ``round_no``; whether it was refused, the round being sealed first."""
+        record = NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no,
+                            member_of=self._member_of)  # fmt: skip
         try:
             lease_id = self._lease.grant()
             self.writes += 1
@@ -257,17 +269,18 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
                 self._sealer = joined.sealer
         except LeaseNotFoundError:
             self._lease.lost = self._lease.lost or f"its node lease was gone when it joined round {round_no}"
-            return None  # in no world yet: _join_and_wait takes a fresh lease
+            return False  # in no world yet: _join_and_wait takes a fresh lease
         except EtcdError as exc:
             raise connection_error(exc) from exc
         if joined.closed is not None:
             raise self._closed_error()
         if joined.revision:
-            return None
+            return False
         self.tries += 1
         if joined.seal is None:
             raise RendezvousConnectionError(f"Joining round {round_no} was refused, but etcd shows no reason.")
-        return self._layout.decode(SealRecord, joined.seal, self._layout.seal_key(round_no)), joined.seal_revision
+        self._layout.decode(SealRecord, joined.seal, self._layout.seal_key(round_no))  # a planted seal is refused
+        return True
 
     def _wait_for_seal(self, round_no: int, deadline: float, deletions: int) -> tuple[SealRecord, int] | None:
         """The round's seal (and its revision) once it is there; ``None`` if this node's key vanished before.
@@ -329,32 +342,6 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
     def _join_timeout(self, round_no: int, view: RoundView | None) -> RendezvousTimeoutError:
         return join_timeout_error(self.get_run_id(), self._parts.options.join_timeout, round_no, self._min, view)
 
-    def _seal_wake(self, view: RoundView, due: str | None, due_since: float | None) -> float | None:
-        """When this node should try to seal: the first joiner at once (or after the last call), others as backup."""
-        if due is None or due_since is None or not view.joined:
-            return None
-        wait = 0.0 if due == "now" else self._parts.options.last_call_timeout
-        if view.joined[0].node != self._node:
-            # Only the first joiner seals; the others step in if it has not after one more liveness timeout.
-            wait += self._lease.ttl
-        return due_since + wait
-
-    def _seal(self, view: RoundView, revision: int) -> None:
-        lease_id = self._run_lease_id()
-        self.writes += 1
-        try:
-            if not try_seal(self._parts.client, self._layout, view, revision, self._max, self._node, lease_id):
-                self.tries += 1
-                with self._mirror.cond:  # something changed after `revision`: wait until the copy shows it
-                    self._mirror.wait_until(
-                        lambda: self._saw_since(view.round, revision),
-                        time.monotonic() + self._parts.options.client.read_timeout,
-                    )
-        except LeaseNotFoundError:
-            self._parts.lease.invalidate(lease_id)
-        except EtcdError as exc:
-            raise connection_error(exc) from exc
-
     def _leave(self) -> None:
         """Take this node's key out of its round (a failed or timed-out join)."""
         key, self._key = self._key, None
@@ -381,12 +368,6 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, RendezvousHandler):
 
     def _closed_error(self) -> RendezvousClosedError:
         return closed_error(self.get_run_id())
-
-    def _run_lease_id(self) -> int:
-        try:
-            return self._parts.lease.id()
-        except EtcdError as exc:
-            raise connection_error(exc) from exc
 
 
 def _hostname() -> str:

@@ -4,7 +4,8 @@ Each :class:`Range` is one of:
 
 * ``FULL``: every key of the range with its value (the mirror keeps them, in :meth:`Mirror.items`);
 * ``DELETES``: only deletions (etcd filters the puts out before sending): the keys deleted since the range
-  began, and after a re-read the keys absent from it (:meth:`Range.gone`);
+  began (with the revision of each deletion), and after a re-read the keys present in it (with the revision
+  each was created at) and those absent from it (:meth:`Range.gone`);
 * ``PUTS``: only puts: the keys written since the range began, with their values.
 
 A range may stop its watch itself (``until``) once its answer cannot change any more.
@@ -41,8 +42,11 @@ class Range:
     kind: str  # FULL, DELETES or PUTS
     start: int = 0  # the first revision its copy lacks: a watch starts there, older events are in it (0: read it first)
     until: Callable[[Range], bool] | None = None  # stop watching once this holds
-    deleted: set[bytes] = field(default_factory=set)  # DELETES: keys deleted since it began
-    present: set[bytes] | None = None  # DELETES: the keys of its last re-read, less those deleted since
+    deleted: dict[bytes, int] = field(default_factory=dict)  # DELETES: keys deleted since it began (or its re-read),
+    # each with the revision it was deleted at
+    present: dict[bytes, int] | None = None  # DELETES: the keys of its last re-read (each with its create_revision),
+    # less those deleted since
+    read_at: int = 0  # DELETES: the revision of its last re-read (0: none)
     put: dict[bytes, Entry] = field(default_factory=dict)  # PUTS: keys written since it began
     revision: int = 0  # the newest revision its copy reflects
     done: bool = False  # ``until`` held: its watch is cancelled
@@ -66,7 +70,8 @@ class Range:
         """A read at ``revision`` (forged values left out; a rebuild's first is ``fresh``: what the range reflects
         from now on, even if etcd came back older); a FULL range's keys are the mirror's to keep."""
         if self.kind == DELETES:
-            self.present, self.deleted = {kv.key for kv in kvs}, set()
+            self.present, self.deleted = {kv.key: int(kv.create_revision) for kv in kvs}, {}
+            self.read_at = revision
         elif self.kind == PUTS:
             self.put.update({kv.key: Entry(kv.value, kv.create_revision, kv.mod_revision) for kv in kvs})
         self.start = revision + 1
@@ -75,9 +80,9 @@ class Range:
     def take_event(self, kv: Any, deleted: bool) -> bool:
         """One event (not forged) of a DELETES or PUTS range; whether it changed the range's answer."""
         if self.kind == DELETES and deleted:
-            self.deleted.add(kv.key)
+            self.deleted[kv.key] = int(kv.mod_revision)
             if self.present is not None:
-                self.present.discard(kv.key)
+                self.present.pop(kv.key, None)
             return True
         if self.kind == PUTS and not deleted:
             self.put[kv.key] = Entry(kv.value, kv.create_revision, kv.mod_revision)

@@ -4,8 +4,11 @@ Under ``<key_prefix>/<run_id>/rdzv/``:
 
 * ``rounds/<r>/<node>``: one :class:`NodeRecord` per node that joins round ``r``,
   on that node's own lease, so it vanishes when the node dies;
-* ``sealed/<r>``: the :class:`SealRecord` that fixes round ``r``'s members and
-  their ranks, on the run's lease; written once, by one transaction;
+* ``sealed/<r>``: the :class:`SealRecord` that fixes round ``r``: its size and
+  which joiners are in (``cutoff``), on the run's lease; written once, by one transaction;
+* ``ranks/<r>/<sealer>/<node>``: one :class:`RankRecord` per member of round ``r``,
+  written by the node that sealed it (with the seal, in chunks), on the run's
+  lease; each member reads its own, so a seal costs every node O(1) bytes;
 * ``closed``: a :class:`ClosedRecord` once the run is over, on the run's lease.
 
 Round numbers are zero-padded, so keys sort by round. Every value is JSON
@@ -52,18 +55,33 @@ class NodeRecord(BaseModel):
     addr: str = Field(min_length=1, max_length=255)
     pid: int = Field(ge=0)
     round: int = Field(ge=0)
+    member_of: int = Field(default=-1, ge=-1)  # the round this node was a member of when it joined (-1: none)
 
 
 class SealRecord(BaseModel):
-    """The fixed outcome of a round: its members in rank order (rank = position)."""
+    """The fixed outcome of a round: ``world`` members, the round's keys created at or before ``cutoff``.
+
+    It names no member: each reads its rank from its own key ``ranks/<round>/<sealed_by>/<node>``.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     round: int = Field(ge=0)
-    members: list[str] = Field(min_length=1)
-    addrs: list[str] = Field(min_length=1)
-    sealed_by: str
+    world: int = Field(ge=1)
+    cutoff: int = Field(ge=1)  # create_revision of the last member by join order
+    sealed_by: str = Field(pattern=NODE_ID.pattern)  # names the rank keys' folder: no "/" in it
     sealed_at: float = 0.0
+
+
+class RankRecord(BaseModel):
+    """One member's place in a sealed round, written by its sealer: rank (by node id) and the world's size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    round: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    world: int = Field(ge=1)
+    sealed_by: str = Field(pattern=NODE_ID.pattern)
 
 
 class ClosedRecord(BaseModel):
@@ -162,6 +180,30 @@ class Layout:
     @property
     def closed(self) -> bytes:
         return self.base + b"closed"
+
+    @property
+    def ranks(self) -> bytes:
+        return self.base + b"ranks/"
+
+    def ranks_of_round(self, round_no: int) -> bytes:
+        """The prefix of every rank key of round ``round_no`` (whoever sealed it)."""
+        return self.ranks + f"{round_no:0{_ROUND_WIDTH}d}/".encode()
+
+    def ranks_prefix(self, round_no: int, sealer: str) -> bytes:
+        """The prefix of the rank keys that ``sealer`` wrote for round ``round_no``."""
+        return self.ranks_of_round(round_no) + sealer.encode() + b"/"
+
+    def rank_key(self, round_no: int, sealer: str, node: str) -> bytes:
+        return self.ranks_prefix(round_no, sealer) + node.encode()
+
+    def parse_rank_key(self, key: bytes) -> tuple[int, str, str] | None:
+        """(round, sealer, node) of a rank key, else ``None``."""
+        if not key.startswith(self.ranks):
+            return None
+        parts = key[len(self.ranks) :].split(b"/")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1] or not parts[2]:
+            return None
+        return int(parts[0]), parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
 
     def round_prefix(self, round_no: int) -> bytes:
         return self.rounds + f"{round_no:0{_ROUND_WIDTH}d}/".encode()

@@ -15,9 +15,16 @@ writes its :class:`SealRecord` only if
 * no node key is left in an earlier round: every member of the previous round
   has either moved on to ``t`` or died (its key went with its lease).
 
-Members are the first ``max_nodes`` joiners in ``create_revision`` order;
-ranks follow the node ids (which start with the node's address), as torch's
-own handler sorts its participants. Every node reads the same sealed record.
+Members are the first ``max_nodes`` joiners in ``create_revision`` order:
+the seal names only their number (``world``) and the join revision of the
+last one (``cutoff``), so it costs every node the same few bytes whatever the
+size of the round. Ranks follow the node ids (which start with the node's
+address), as torch's own handler sorts its participants; the sealer writes
+each member's rank to a key of its own, ``ranks/<r>/<sealer>/<node>``, in
+transactions of at most ``RANKS_PER_TXN`` puts, the last one together with the
+seal and every one under the seal's conditions, and each member reads its own
+key once (:func:`read_rank`). The sealer's id in the key keeps two racing
+sealers' ranks apart: a member reads those of the seal's ``sealed_by``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any, NamedTuple
 
 from service.rendezvous.client import EtcdClient, EtcdError, prefix_end
 from service.rendezvous.native.ranges import Entry
-from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
+from service.rendezvous.native.records import Layout, NodeRecord, RankRecord, RecordError, SealRecord
 from service.rendezvous.requests import RangeRead, delete_op, put_op, txn_request
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,9 @@ _PURGES = 5  # joins refused by forged values (each then deleted) before giving 
 # step in if it has not one liveness timeout later. Every other node watches only the seals and its round's
 # deletions, so a join costs it no event.
 SEALERS = 3
+# etcd refuses a transaction of more than --max-txn-ops operations (128 by default): a seal writes its ranks in
+# transactions of at most this many operations each.
+RANKS_PER_TXN = 100
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class Joiner:
     create_revision: int
     node: str
     addr: str
+    member_of: int = -1  # the round it was a member of when it joined this one (-1: none)
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,6 @@ class RoundView:
     earlier: int  # node keys still in rounds before ``round``
     seal: SealRecord | None
     seal_created: int  # create_revision of the seal key (0: none)
-    previous: SealRecord | None  # the seal of round - 1, if still kept
     closed: bool
 
     @property
@@ -89,21 +99,16 @@ def view_round(layout: Layout, entries: dict[bytes, Entry], round_no: int) -> Ro
             earlier += 1
         elif r == round_no:
             record = layout.decode(NodeRecord, entry.value, key)
-            joined.append(Joiner(entry.create_revision, node, record.addr))
+            joined.append(Joiner(entry.create_revision, node, record.addr, record.member_of))
     joined.sort(key=lambda j: (j.create_revision, j.node))
     seal_entry = entries.get(layout.seal_key(round_no))
     seal = None if seal_entry is None else layout.decode(SealRecord, seal_entry.value, layout.seal_key(round_no))
-    prev_entry = entries.get(layout.seal_key(round_no - 1)) if round_no > 0 else None
-    previous = (
-        None if prev_entry is None else layout.decode(SealRecord, prev_entry.value, layout.seal_key(round_no - 1))
-    )
     return RoundView(
         round=round_no,
         joined=tuple(joined),
         earlier=earlier,
         seal=seal,
         seal_created=0 if seal_entry is None else seal_entry.create_revision,
-        previous=previous,
         closed=layout.closed in entries,
     )
 
@@ -112,7 +117,7 @@ def seal_due(view: RoundView, min_nodes: int, max_nodes: int) -> str | None:
     """When round ``view.round`` may be sealed: ``"now"``, ``"last_call"`` (after the last call), or ``None``.
 
     Full (``max_nodes`` joined): now. A re-formed world (at least one member of
-    the previous round is back and every other one has moved on or died): now,
+    the previous round is back, as its ``member_of`` says, and every other one has moved on or died): now,
     since every node known to be alive is in and nobody else is known to come.
     Otherwise, with ``min_nodes`` in: after the last call.
     """
@@ -120,7 +125,7 @@ def seal_due(view: RoundView, min_nodes: int, max_nodes: int) -> str | None:
         return None
     if len(view.joined) >= max_nodes:
         return "now"
-    if view.previous is not None and {j.node for j in view.joined} & set(view.previous.members):
+    if view.round > 0 and any(j.member_of == view.round - 1 for j in view.joined):
         return "now"
     return "last_call"
 
@@ -216,36 +221,67 @@ def _value(kvs: Any) -> bytes | None:
 def try_seal(
     client: EtcdClient, layout: Layout, view: RoundView, decided_at: int, max_nodes: int, sealer: str, lease_id: int
 ) -> bool:
-    """Seal ``view.round`` with its first ``max_nodes`` joiners, if nothing changed after revision ``decided_at``."""
+    """Seal ``view.round`` with its first ``max_nodes`` joiners, if nothing changed after revision ``decided_at``.
+
+    Every member's rank goes to its own key; all but the last ``RANKS_PER_TXN``-sized chunk in transactions of
+    their own, the last one with the seal. Each transaction holds only under the seal's conditions, so a round
+    that changed, or another sealer's seal, makes this try fail (``False``), whichever chunk it reaches.
+    """
     tx = client.raw.transactions
-    # Members: the first max_nodes joiners. Ranks: by node id (address first), as torch's own handler sorts them.
-    members = sorted(view.members(max_nodes), key=lambda j: j.node)
-    record = SealRecord(
-        round=view.round,
-        members=[m.node for m in members],
-        addrs=[m.addr for m in members],
-        sealed_by=sealer,
-        sealed_at=time.time(),
-    )
+    joined = view.members(max_nodes)
+    # Ranks: by node id (address first), as torch's own handler sorts them.
+    members = sorted(joined, key=lambda j: j.node)
+    world = len(members)
+    record = SealRecord(round=view.round, world=world, cutoff=joined[-1].create_revision, sealed_by=sealer,
+                        sealed_at=time.time())  # fmt: skip
     round_prefix = layout.round_prefix(view.round)
     seal_key = layout.seal_key(view.round)
-    success = [tx.put(seal_key, layout.encode(seal_key, record), lease=lease_id)]
-    if view.round >= 2:  # seals older than the previous round are no longer read by anyone
-        success.append(tx.delete(layout.seals, range_end=layout.seal_key(view.round - 1)))
-    won, _ = client.call(
-        lambda c: c.transaction(
-            compare=[
-                tx.create(layout.seal_key(view.round)) == 0,
-                tx.version(layout.closed) == 0,
-                tx.mod(round_prefix, range_end=prefix_end(round_prefix)) < decided_at + 1,
-                tx.version(layout.rounds, range_end=round_prefix) == 0,
-            ],
-            success=success,
-            failure=[],
-        ),
-        "sealing the rendezvous round",
-    )
-    return bool(won)
+    compare = [
+        tx.create(seal_key) == 0,
+        tx.version(layout.closed) == 0,
+        tx.mod(round_prefix, range_end=prefix_end(round_prefix)) < decided_at + 1,
+        tx.version(layout.rounds, range_end=round_prefix) == 0,
+    ]
+    ranks = []
+    for rank, member in enumerate(members):
+        key = layout.rank_key(view.round, sealer, member.node)
+        value = RankRecord(round=view.round, rank=rank, world=world, sealed_by=sealer)
+        ranks.append(put_op(key, layout.encode(key, value), lease_id))
+    last = [put_op(seal_key, layout.encode(seal_key, record), lease_id)]
+    if view.round >= 2:  # seals and ranks older than the previous round are no longer read by anyone
+        last.append(delete_op(layout.seals, layout.seal_key(view.round - 1)))
+        last.append(delete_op(layout.ranks, layout.ranks_of_round(view.round - 1)))
+    split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
+    chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
+    chunks.append(ranks[split:] + last)
+    for chunk in chunks:
+        if not client.txn(txn_request(compare, chunk), "sealing the rendezvous round").succeeded:
+            return False
+    return True
+
+
+def read_rank(client: EtcdClient, layout: Layout, round_no: int, seal: SealRecord, node: str) -> int | None:
+    """``node``'s rank in sealed round ``round_no``, from one read of its own rank key; ``None``: not a member.
+
+    On a signed run a forged value there is ignored (as if absent) and deleted; on an unsigned one a value this
+    backend did not write, or one that does not fit the seal, raises ``RecordError`` naming the key.
+    """
+    key = layout.rank_key(round_no, seal.sealed_by, node)
+    _, [kvs] = client.read_ranges([RangeRead(key)], "reading this node's rank")
+    value = _value(kvs)
+    if value is None or delete_forged(client, layout, key, value):
+        return None
+    record = layout.decode(RankRecord, value, key)
+    if (record.round, record.world, record.sealed_by) != (round_no, seal.world, seal.sealed_by) or not (
+        0 <= record.rank < seal.world
+    ):
+        raise RecordError(
+            f"The rendezvous key {key.decode(errors='replace')} holds rank {record.rank} of a world of "
+            f"{record.world} in round {record.round} sealed by {record.sealed_by}, but round {round_no}'s seal "
+            f"says a world of {seal.world} sealed by {seal.sealed_by}: something else writes under the run's "
+            "prefix; restrict it with etcd's authentication, or use another --rdzv-id."
+        )
+    return record.rank
 
 
 def delete_forged(client: EtcdClient, layout: Layout, key: bytes, value: bytes | None) -> bool:

@@ -6,10 +6,13 @@
 * As one of the round's first ``SEALERS`` joiners: every key under ``rounds/`` with values, read once and then
   watched, to decide the seal (``rounds.py``). A node that a deletion moves among the first reads and watches
   them from then on.
-* As a member of the sealed round ``r``: its round's deletions until the first departure of another member,
+* As a member of the sealed round ``r``: its round's deletions until the first departure of another node,
   and the puts into later rounds (a node waiting) until the first; each then stops, since the answer to
   ``num_nodes_waiting`` can only stay positive and the node restarts. The other members' moves into the next
-  round reach it no more.
+  round reach it no more. The seal lists no members: any key of round ``r`` but its own deleted after the seal
+  is a departure (a key that is not a member's can only be a joiner the seal left out, moving on to round
+  ``r + 1``, which makes a node waiting anyway). After a re-read of the round (a rebuilt stream), the members
+  still there are its keys created at or before the seal's ``cutoff``: the others of the seal's ``world`` left.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from service.rendezvous.client import EtcdError, prefix_end
 from service.rendezvous.native.errors import connection_error
 from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.ranges import FULL, Range
-from service.rendezvous.native.records import Layout, NodeRecord
+from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
 from service.rendezvous.native.rounds import among_sealers
 from service.rendezvous.requests import DELETES, PUTS
 
@@ -36,7 +39,8 @@ class RoundWatches:
     _joined_at: int
     _key: bytes | None
     _layout: Layout
-    _members: list[str]
+    _sealed: SealRecord | None  # the seal of the round it is a member of
+    _seal_revision: int  # the revision that seal was written at
     _mirror: Mirror
     _node: str
     _parts: Etcd3Parts
@@ -69,8 +73,7 @@ class RoundWatches:
         """A member of sealed round ``round_no``: watch for the first departure and the first node waiting."""
         self._sealer = False
         self._mirror.remove(ROUNDS)
-        others = [self._layout.node_key(round_no, m) for m in self._members if m != self._node]
-        self._mirror.set_until(ROUND, lambda rng: any(rng.gone(key) for key in others))
+        self._mirror.set_until(ROUND, lambda rng: self._departed(rng) > 0)
         later = self._layout.round_prefix(round_no + 1)
         self._add(Range(LATER, later, prefix_end(self._layout.rounds), PUTS, start=seal_revision + 1,
                         until=lambda rng: bool(rng.put)))  # fmt: skip
@@ -99,12 +102,16 @@ class RoundWatches:
         for key, entry in (later.put if later is not None else {}).items():
             self._layout.decode(NodeRecord, entry.value, key)  # a planted value is refused, not counted
             waiting += 1
-        departed = sum(
-            1
-            for m in self._members
-            if m != self._node and own is not None and own.gone(self._layout.node_key(self._round, m))
-        )
-        return waiting + departed
+        return waiting + (self._departed(own) if own is not None else 0)
+
+    def _departed(self, rng: Range) -> int:
+        """How many nodes left its round (``rng``, the round's deletions) since the seal."""
+        seal = self._sealed
+        if seal is None:
+            return 0
+        if rng.present is not None and rng.read_at > self._seal_revision:  # re-read after the seal: exact
+            return seal.world - sum(1 for created in rng.present.values() if created <= seal.cutoff)
+        return sum(1 for key, at in rng.deleted.items() if key != self._key and at > self._seal_revision)
 
     def _saw_since(self, round_no: int, revision: int) -> bool:
         """Whether the copy of the round moved past ``revision``, or the round was sealed or closed (``cond`` held)."""
