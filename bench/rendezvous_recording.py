@@ -5,7 +5,11 @@ A gRPC interceptor on each handler's channel records every request it sends: the
 reads, puts, transactions) as they are made, and every message on its watch and lease keep-alive streams as gRPC
 sends it. Each request becomes a template: etcd's message as a dict, with the node's id, the run id, the round,
 its leases and revisions abstracted (``{node}``, ``{run_id}``, ``{round}``, ``{node_lease}``, ``{run_lease}``,
-``{rev}``), and the values it writes named by what they hold (``{node_record}``, ``{seal_record}``, ...).
+``{rev}``), and the values it writes named by what they hold (``{node_record}``, ``{seal_record}``,
+``{rank_record}``, ...). A rank key names the node that sealed the round (``{sealer}``) and a member: the node's
+own (``{node}``, the key it reads) or any (``{member}``); the seal's rank puts, one per member, are kept as one
+put (the replay writes one per member of its round, in chunks of ``rounds.RANKS_PER_TXN`` operations, as the
+handler does).
 
 A round has three phases (``start``: the agent's handler is built; ``round``: ``next_rendezvous`` until the seal;
 ``sealed``: after it), and in each a node plays a part: the first agent of the run grants and publishes the run's
@@ -53,6 +57,7 @@ REQUESTS = {
 _REVISIONS = {"revision", "start_revision", "mod_revision", "create_revision"}
 _LEASES = {"lease", "ID"}
 ROUND_DIGITS = 12  # records.py's zero-padded round numbers
+_RANK_KEY = re.compile(r"^(.*/rdzv/ranks/[0-9]{12}/)([^/]+)/([^/]+)$")
 
 
 # -- recording ---------------------------------------------------------------------------------------------------
@@ -162,6 +167,10 @@ def _field(fd: Any, value: Any, names: Names) -> Any:
 
 def _key(raw: bytes, names: Names) -> str:
     text = raw.decode("latin-1")
+    rank = _RANK_KEY.match(text)
+    if rank is not None:  # ranks/<round>/<sealer>/<member>: the sealer, and the node's own key or any member's
+        member = "{node}" if rank.group(3) == names.node else "{member}"
+        text = f"{rank.group(1)}{{sealer}}/{member}"
     text = text.replace(names.run_id, "{run_id}").replace(names.node, "{node}")
     text = text.replace("{run_id}.0/", "{run_id}.{store_round}/")  # the store's per-round prefix (PrefixStore)
     return text.replace("0" * ROUND_DIGITS, "{round}").replace(f"{1:0{ROUND_DIGITS}d}", "{round+1}")
@@ -179,8 +188,10 @@ def _value(raw: bytes, names: Names) -> str:
         return "{addr}"
     if not isinstance(record, dict):
         return "{value}"
-    if "members" in record:
+    if "cutoff" in record:
         return "{seal_record}"
+    if "rank" in record:
+        return "{rank_record}"
     if "fingerprint" in record:
         return "{job_record}"
     if {"node", "addr", "pid", "round"} <= record.keys():
@@ -251,7 +262,7 @@ def requests_of(played: Played) -> tuple[dict[tuple[str, str], list[dict[str, An
     ordered: dict[tuple[str, str], list[dict[str, Any]]] = {}
     kept_alive: set[str] = set()
     for sent in played.sent:
-        request = template(sent.request, played.names)
+        request = _one_rank_put(template(sent.request, played.names))
         if sent.stream == "keepalive":
             kept_alive.add(str(request.get("ID")))
             continue
@@ -263,6 +274,21 @@ def requests_of(played: Played) -> tuple[dict[tuple[str, str], list[dict[str, An
         if stream == "watch":  # a cancel waits for its watch's confirmation: its place among the creates varies
             ops.sort(key=lambda op: json.dumps(op, sort_keys=True))
     return ordered, kept_alive
+
+
+def _one_rank_put(request: dict[str, Any]) -> dict[str, Any]:
+    """A transaction's rank puts (one per member, whatever the round's size) as one, naming ``{member}``."""
+    if "success" not in request:
+        return request
+    success: list[dict[str, Any]] = []
+    for op in request["success"]:
+        put = op.get("request_put", {})
+        if "/rdzv/ranks/" in put.get("key", ""):
+            op = {"request_put": {**put, "key": put["key"].rsplit("/", 1)[0] + "/{member}"}}
+            if success and success[-1] == op:
+                continue
+        success.append(op)
+    return {**request, "success": success}
 
 
 def merge(recording: dict[str, Any], played: Played) -> list[str]:
@@ -308,6 +334,7 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
 
     from service.rendezvous.factory import build_handler
     from service.rendezvous.native.records import SealRecord
+    from service.rendezvous.native.rounds import read_rank
 
     params = RendezvousParameters("etcd3", endpoint, run_id, nodes, nodes, local_addr="127.0.0.1",
                                   keep_alive_interval="1", keep_alive_max_attempt="3", last_call_timeout="1",
@@ -346,12 +373,14 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
     )
     first_three = {kv.key for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:3]}
     seal = layout.decode(SealRecord, seals[0].value, seals[0].key)
+    client = handlers[0]._parts.client
+    ranks = {handler.node: read_rank(client, layout, 0, seal, handler.node) for handler in handlers}
     played = []
     for i, (requests, handler) in enumerate(zip(sent, handlers, strict=True)):
         names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id())
         played.append(Played(
             sent=requests, names=names, first=i == 0, seals=seal.sealed_by == handler.node,
-            sealer=layout.node_key(0, handler.node) in first_three, rank0=seal.members[0] == handler.node,
+            sealer=layout.node_key(0, handler.node) in first_three, rank0=ranks[handler.node] == 0,
         ))  # fmt: skip
     return played, handlers
 

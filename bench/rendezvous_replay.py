@@ -5,21 +5,22 @@ few hundred on this 2-core machine that measures the simulator, not etcd (docs/r
 one process replays, for every node, the requests a real handler makes in a round, as recorded from real
 handlers against a real etcd (``rendezvous_recording.json``, ``rendezvous_recording.py``): the run lease, the job
 record, the node lease, the first read, the watch stream and its watches, the join transaction, the sealers'
-read of the round, the seal, the members' watches, the store's address, and every node's lease keep-alives on a
+read of the round, the seal with its rank keys (one per member, in chunks of at most ``RANKS_PER_TXN`` operations),
+each node's read of its own rank, the members' watches, the store's address, and every node's lease keep-alives on a
 stream of its own (node lease every ``keep_alive_interval``, run lease every third of its TTL). etcd sees N
 leases, N watch streams and N keep-alive streams, as with N real nodes; the generator is asyncio on a few gRPC
 channels, no thread per node, and its own CPU is measured.
 
 The parts a node plays are decided as a real handler decides them: by the join transaction's count (the first
-three joiners watch the whole round; the first one seals once it has seen N keys), by the seal's member list (rank
-0 writes the store's address; the others poll for it as the store does).
+three joiners watch the whole round; the first one seals once it has seen N keys), by its read of its own rank key
+once it saw the seal (rank 0 writes the store's address; the others poll for it as the store does).
 
 Per N (a fresh run id each): every node starts (at most 64 at once), then all join at one instant. Reported: the
-time from the first join to the seal written and to the last node seeing it (and to every node's store read
-done); etcd's CPU (``/proc/<pid>/stat``) for the round and per node, over the keep-alives' own rate measured just
-before; etcd's requests (messages received, ``grpc_server_msg_received_total``), watch events
-(``etcd_debugging_mvcc_events_total``) and bytes sent (``etcd_network_client_grpc_sent_bytes_total``), each
-before/after; the generator's CPU.
+time from the first join to the seal written, to the last node seeing it, to the last node having read its
+rank, and to every node's store read done; etcd's CPU (``/proc/<pid>/stat``) for the round and per node, over
+the keep-alives' own rate measured just before; etcd's requests (messages received,
+``grpc_server_msg_received_total``), watch events (``etcd_debugging_mvcc_events_total``) and bytes sent
+(``etcd_network_client_grpc_sent_bytes_total``), each before/after; the generator's CPU.
 
     python bench/rendezvous_replay.py --nodes 16,32,64,128,256,512,1000,2000
     python bench/rendezvous_replay.py --record     # re-record rendezvous_recording.json from a real round
@@ -98,6 +99,9 @@ class Node:
         self.full = asyncio.Event()
         self.sealed = asyncio.Event()
         self.sealed_at = 0.0
+        self.ranked_at = 0.0
+        self.sealer = ""  # the node that sealed the round (the seal's sealed_by): its rank keys hold the ranks
+        self.cutoff = 0  # the newest create_revision of the round's keys in this node's copy (the sealer)
         self.rank0 = False
         self.watch: Any = None
         self.keepalive: Any = None
@@ -115,11 +119,12 @@ class Node:
         if placeholder == "{rev}":
             return self.rev if field == "revision" else self.rev + 1
         keys = {"node": self.name, "run_id": r.run_id, "round": "0" * rr.ROUND_DIGITS,
-                "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0"}  # fmt: skip
+                "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0", "sealer": self.sealer or self.name,
+                "member": self.name}  # fmt: skip
         return rr.fill_text(placeholder, keys).encode()
 
-    async def unary(self, op: dict[str, Any]) -> Any:
-        request = rr.build(op["rpc"], op["request"], self.fill)
+    async def unary(self, op: dict[str, Any], request: Any = None) -> Any:
+        request = request or rr.build(op["rpc"], op["request"], self.fill)
         service, method = op["rpc"].split("/")
         stub = self.kv if service == "KV" else self.lease
         self.r.sent[op["rpc"]] += 1
@@ -143,18 +148,52 @@ class Node:
             ops = parts["unary"]["rank0" if self.rank0 else "other"]
         watched = False
         for op in ops:
-            if "{seal_record}" in json.dumps(op):  # the seal: once this node's copy shows the round full
+            text = json.dumps(op)
+            if "{seal_record}" in text:  # the seal: once this node's copy shows the round full
                 await self.run_watch(phase)
                 watched = True
                 await self.full.wait()
                 self.rev = self.decided
-                await self.unary(op)
+                for request in self.seal_requests(op):
+                    await self.unary(op, request)
                 self.r.sealed_written = time.monotonic()
+                continue
+            if "{sealer}" in text and op["rpc"] == "KV/Range":  # its rank: read once it has seen the seal
+                if not watched:
+                    await self.run_watch(phase)
+                    watched = True
+                await self.sealed.wait()
+                request, response = await self.unary(op)
+                self.rank0 = bool(response.kvs) and json.loads(response.kvs[0].value)["rank"] == 0
+                self.ranked_at = time.monotonic()
                 continue
             request, response = await self.unary(op)
             await self.learn(op, request, response)
         if not watched:
             await self.run_watch(phase)
+
+    def seal_requests(self, op: dict[str, Any]) -> list[Any]:
+        """The recorded seal (its one rank put a template) as the handler sends it at N nodes: a rank put per
+        member, by node id, the last ``RANKS_PER_TXN`` operations (less the seal's own) with the seal."""
+        from service.rendezvous.native.records import RankRecord
+        from service.rendezvous.native.rounds import RANKS_PER_TXN
+        from service.rendezvous.requests import put_op
+
+        r, layout = self.r, self.r.layout
+        built = rr.build(op["rpc"], op["request"], self.fill)
+        template = [o for o in built.success if o.request_put.key.startswith(layout.ranks)]
+        last = [o for o in built.success if not o.request_put.key.startswith(layout.ranks)]
+        if len(template) != 1:
+            raise ValueError("The recorded seal holds no rank put to repeat per member; re-record it.")
+        ranks = []
+        for rank, member in enumerate(sorted(r.names)):
+            key = layout.rank_key(0, self.name, member)
+            value = layout.encode(key, RankRecord(round=0, rank=rank, world=r.n, sealed_by=self.name))
+            ranks.append(put_op(key, value, template[0].request_put.lease))
+        split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
+        chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
+        chunks.append(ranks[split:] + last)
+        return [etcdrpc.TxnRequest(compare=list(built.compare), success=chunk) for chunk in chunks]
 
     async def learn(self, op: dict[str, Any], request: Any, response: Any) -> None:
         r = self.r
@@ -168,6 +207,7 @@ class Node:
             r.run_lease = int(response.kvs[0].value)
         elif op["rpc"] == "KV/Range" and request.key == r.rounds_key:  # a sealer's read of the round
             self.seen = sum(1 for kv in response.kvs if kv.key.startswith(r.round_prefix))
+            self.cutoff = max([self.cutoff] + [kv.create_revision for kv in response.kvs])
             if self.role == "seals" and self.seen >= r.n:
                 self.decided = self.rev
                 self.full.set()
@@ -202,10 +242,11 @@ class Node:
                 if key == r.seal_key and not self.sealed.is_set():
                     self.sealed_at = time.monotonic()
                     self.rev = int(event.kv.mod_revision)
-                    self.rank0 = json.loads(event.kv.value)["members"][0] == self.name
+                    self.sealer = json.loads(event.kv.value)["sealed_by"]
                     self.sealed.set()
                 elif key.startswith(r.round_prefix) and event.type == 0 and event.kv.version == 1:
                     self.seen += 1
+                    self.cutoff = max(self.cutoff, int(event.kv.create_revision))
             if self.role == "seals" and self.seen >= r.n and not self.full.is_set():
                 self.decided = int(response.header.revision)
                 self.full.set()
@@ -261,17 +302,18 @@ class Round:
 
     def value(self, placeholder: str, node: Node) -> bytes:
         from service.rendezvous.identity import this_job
-        from service.rendezvous.native.records import NodeRecord, SealRecord
+        from service.rendezvous.native.records import NodeRecord, RankRecord, SealRecord
 
         layout = self.layout
         if placeholder == "{node_record}":
             key = layout.node_key(0, node.name)
             return layout.encode(key, NodeRecord(node=node.name, addr=node.name.split("_")[0], pid=node.index, round=0))
         if placeholder == "{seal_record}":
-            members = sorted(self.names)
-            record = SealRecord(round=0, members=members, addrs=[m.split("_")[0] for m in members],
-                                sealed_by=node.name, sealed_at=time.time())  # fmt: skip
+            record = SealRecord(round=0, world=self.n, cutoff=max(1, node.cutoff), sealed_by=node.name,
+                                sealed_at=time.time())  # fmt: skip
             return layout.encode(self.seal_key, record)
+        if placeholder == "{rank_record}":  # the template's one rank put: the replay writes one per member
+            return layout.encode(b"", RankRecord(round=0, rank=0, world=self.n, sealed_by=node.name))
         if placeholder == "{job_record}":
             if self._job is None:
                 self._job = this_job(self.n, self.n).model_dump_json().encode()
@@ -326,6 +368,8 @@ async def one_round(n: int, endpoint: str, etcd_pid: int, recording: dict[str, A
         row.update({
             "sealed_s": r.sealed_written - r.first_join,
             "last_saw_seal_s": max(node.sealed_at for node in nodes) - r.first_join,
+            "last_ranked_s": max(node.ranked_at for node in nodes) - r.first_join,
+            "rank0": sum(1 for node in nodes if node.rank0),
             "done_s": done - r.first_join,
             "etcd_cpu_s": etcd_cpu,
             "etcd_cpu_over_keepalive_s": etcd_cpu - row["keepalive_etcd_cpu_per_s"] * window,
@@ -396,15 +440,17 @@ def record(endpoint: str, nodes: int = 4) -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]], conditions: dict[str, Any]) -> None:
     print(f"\netcd's side of one native round, replayed ({conditions})")
-    print("| nodes | seal | last saw seal | store read | etcd CPU | per node | over keep-alives, per node |"
-          " requests per node | events per node | bytes per node | generator CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| nodes | seal | last saw seal | last read its rank | store read | etcd CPU | per node |"
+          " over keep-alives, per node | requests per node | events per node | bytes per node"
+          " | generator CPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         n = row["nodes"]
         if "error" in row:
             print(f"| {n} | {row['error']} |")
             continue
-        print(f"| {n} | {row['sealed_s']:.2f} s | {row['last_saw_seal_s']:.2f} s | {row['done_s']:.2f} s "
+        print(f"| {n} | {row['sealed_s']:.2f} s | {row['last_saw_seal_s']:.2f} s | {row['last_ranked_s']:.2f} s "
+              f"| {row['done_s']:.2f} s "
               f"| {row['etcd_cpu_s']:.2f} s | {1000 * row['etcd_cpu_s'] / n:.2f} ms "
               f"| {1000 * row['etcd_cpu_over_keepalive_s'] / n:.2f} ms | {row['requests'] / n:.1f} "
               f"| {row['events'] / n:.1f} | {row['sent_bytes'] / n / 1000:.1f} kB "

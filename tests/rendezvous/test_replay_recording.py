@@ -37,14 +37,16 @@ def _example_fill(names: Any) -> Any:
     """Values for every placeholder, such that the template of what they build is the template again."""
     values = {
         "{node_record}": json.dumps({"node": names.node, "addr": "127.0.0.1", "pid": 1, "round": 0}),
-        "{seal_record}": json.dumps({"round": 0, "members": [names.node], "addrs": ["127.0.0.1"], "sealed_by": "x"}),
+        "{seal_record}": json.dumps({"round": 0, "world": 1, "cutoff": 5, "sealed_by": "x"}),
+        "{rank_record}": json.dumps({"round": 0, "rank": 0, "world": 1, "sealed_by": "x"}),
         "{job_record}": json.dumps({"fingerprint": "f"}),
         "{run_lease}": str(names.run_lease),
         "{port}": "29500",
         "{addr}": "127.0.0.1",
     }
     keys = {"node": names.node, "run_id": names.run_id, "round": "0" * rr.ROUND_DIGITS,
-            "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0"}  # fmt: skip
+            "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0", "sealer": "127.0.0.2_1_sealer",
+            "member": "127.0.0.3_1_member"}  # fmt: skip
 
     def fill(field: str, placeholder: str) -> Any:
         if placeholder == "{node_lease}":
@@ -93,3 +95,6 @@ def test_a_real_round_makes_exactly_the_requests_the_replay_replays(etcd_server:
     assert {p["start"] for p in parts} == {"first", "other"} and {p["sealed"] for p in parts} == {"rank0", "other"}
     problems = [problem for one in played for problem in rr.compare(recording, one)]
     assert problems == [], "\n".join(problems)
+    planted = json.loads(json.dumps(recording))  # a request the handler does not make is found
+    planted["parts"]["round"]["unary"]["member"].append({"rpc": "KV/Range", "request": {"key": "/extra"}})
+    assert any("round/unary/member" in p for one in played for p in rr.compare(planted, one))
