@@ -385,6 +385,9 @@ async def one_round(n: int, endpoint: str, etcd_pid: int, recording: dict[str, A
         })  # fmt: skip
     except asyncio.TimeoutError:
         row["error"] = f"the round did not complete in {limit:g} s"
+        row["stuck"] = {"joined": sum(1 for node in nodes if node.rev), "saw_seal": sum(1 for n in nodes if n.sealed.is_set()),
+                        "ranked": sum(1 for node in nodes if node.ranked_at), "sealer_saw": max(n.seen for n in nodes),
+                        "sealed_written": bool(r.sealed_written)}  # fmt: skip
     except Exception as exc:  # reported in the table; the next point still runs
         row["error"] = f"{type(exc).__name__}: {exc}"
     finally:
