@@ -185,10 +185,10 @@ class Node:
         last = [o for o in built.success if not o.request_put.key.startswith(layout.ranks)]
         if len(template) != 1:
             raise ValueError("The recorded seal holds no rank put to repeat per member; re-record it.")
-        ranks = []
+        ranks, cutoff = [], max(1, self.cutoff)
         for rank, member in enumerate(sorted(r.names)):
             key = layout.rank_key(0, self.name, member)
-            value = layout.encode(key, RankRecord(round=0, rank=rank, world=r.n, sealed_by=self.name))
+            value = layout.encode(key, RankRecord(round=0, rank=rank, world=r.n, cutoff=cutoff, sealed_by=self.name))
             ranks.append(put_op(key, value, template[0].request_put.lease))
         split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
         chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
@@ -313,7 +313,9 @@ class Round:
                                 sealed_at=time.time())  # fmt: skip
             return layout.encode(self.seal_key, record)
         if placeholder == "{rank_record}":  # the template's one rank put: the replay writes one per member
-            return layout.encode(b"", RankRecord(round=0, rank=0, world=self.n, sealed_by=node.name))
+            return layout.encode(
+                b"", RankRecord(round=0, rank=0, world=self.n, cutoff=max(1, node.cutoff), sealed_by=node.name)
+            )
         if placeholder == "{job_record}":
             if self._job is None:
                 self._job = this_job(self.n, self.n).model_dump_json().encode()
@@ -385,8 +387,8 @@ async def one_round(n: int, endpoint: str, etcd_pid: int, recording: dict[str, A
         })  # fmt: skip
     except asyncio.TimeoutError:
         row["error"] = f"the round did not complete in {limit:g} s"
-        row["stuck"] = {"joined": sum(1 for node in nodes if node.rev), "saw_seal": sum(1 for n in nodes if n.sealed.is_set()),
-                        "ranked": sum(1 for node in nodes if node.ranked_at), "sealer_saw": max(n.seen for n in nodes),
+        row["stuck"] = {"saw_seal": sum(1 for n in nodes if n.sealed.is_set()),
+                        "ranked": sum(1 for n in nodes if n.ranked_at), "sealer_saw": max(n.seen for n in nodes),
                         "sealed_written": bool(r.sealed_written)}  # fmt: skip
     except Exception as exc:  # reported in the table; the next point still runs
         row["error"] = f"{type(exc).__name__}: {exc}"

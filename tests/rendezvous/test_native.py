@@ -440,7 +440,7 @@ def test_a_signed_layout_refuses_unsigned_and_wrongly_signed_values_without_etcd
     records = [
         (signed.node_key(0, "a"), NodeRecord(node="a", addr="x", pid=1, round=0)),
         (signed.seal_key(0), SealRecord(round=0, world=1, cutoff=5, sealed_by="a")),
-        (signed.rank_key(0, "a", "a"), RankRecord(round=0, rank=0, world=1, sealed_by="a")),
+        (signed.rank_key(0, "a", "a"), RankRecord(round=0, rank=0, world=1, cutoff=5, sealed_by="a")),
         (signed.closed, ClosedRecord(closed_by="a")),
     ]
     for key, record in records:

@@ -135,9 +135,10 @@ def test_a_forged_rank_key_on_a_signed_run_is_ignored_and_deleted(
         seal = _seal_two(client, layout, lease)
         assert [read_rank(client, layout, 0, seal, n) for n in "ab"] == [0, 1]
         unsigned = Layout.of(PREFIX, run_id)
+        rank0 = RankRecord(round=0, rank=0, world=2, cutoff=101, sealed_by="a")
         planted = {  # a non-member made rank 0, and a member's rank overwritten, without the secret
-            layout.rank_key(0, "a", "x"): unsigned.encode(b"", RankRecord(round=0, rank=0, world=2, sealed_by="a")),
-            layout.rank_key(0, "a", "b"): b'{"round": 0, "rank": 0, "world": 2, "sealed_by": "a"}',
+            layout.rank_key(0, "a", "x"): unsigned.encode(b"", rank0),
+            layout.rank_key(0, "a", "b"): b'{"round": 0, "rank": 0, "world": 2, "cutoff": 101, "sealed_by": "a"}',
         }
         for key, value in planted.items():
             client.call(lambda c, k=key, v=value: c.put(k, v), "planting")
@@ -158,8 +159,11 @@ def test_a_bad_rank_key_on_an_unsigned_run_is_refused_by_name(etcd_server: EtcdM
     try:
         seal = _seal_two(client, layout, lease)
         key = layout.rank_key(0, "a", "b")
-        for bad in (b"not json", layout.encode(key, RankRecord(round=0, rank=1, world=3, sealed_by="a")),
-                    layout.encode(key, RankRecord(round=0, rank=2, world=2, sealed_by="a"))):  # fmt: skip
+        assert seal.cutoff == 101
+        bad_ones = [RankRecord(round=0, rank=1, world=3, cutoff=101, sealed_by="a"),  # another world's size
+                    RankRecord(round=0, rank=2, world=2, cutoff=101, sealed_by="a"),  # out of range
+                    RankRecord(round=0, rank=1, world=2, cutoff=100, sealed_by="a")]  # a failed try's  # fmt: skip
+        for bad in [b"not json", *(layout.encode(key, record) for record in bad_ones)]:
             client.call(lambda c, v=bad: c.put(key, v), "planting")
             with pytest.raises(RecordError, match=key.decode()):
                 read_rank(client, layout, 0, seal, "b")

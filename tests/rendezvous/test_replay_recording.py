@@ -38,7 +38,7 @@ def _example_fill(names: Any) -> Any:
     values = {
         "{node_record}": json.dumps({"node": names.node, "addr": "127.0.0.1", "pid": 1, "round": 0}),
         "{seal_record}": json.dumps({"round": 0, "world": 1, "cutoff": 5, "sealed_by": "x"}),
-        "{rank_record}": json.dumps({"round": 0, "rank": 0, "world": 1, "sealed_by": "x"}),
+        "{rank_record}": json.dumps({"round": 0, "rank": 0, "world": 1, "cutoff": 5, "sealed_by": "x"}),
         "{job_record}": json.dumps({"fingerprint": "f"}),
         "{run_lease}": str(names.run_lease),
         "{port}": "29500",

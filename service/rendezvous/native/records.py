@@ -74,13 +74,15 @@ class SealRecord(BaseModel):
 
 
 class RankRecord(BaseModel):
-    """One member's place in a sealed round, written by its sealer: rank (by node id) and the world's size."""
+    """One member's place in a sealed round, written by its sealer: rank (by node id), the world's size, and the
+    seal's cutoff."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     round: int = Field(ge=0)
     rank: int = Field(ge=0)
     world: int = Field(ge=1)
+    cutoff: int = Field(ge=1)  # the seal's: a rank left from a failed try of the same sealer does not match
     sealed_by: str = Field(pattern=NODE_ID.pattern)
 
 

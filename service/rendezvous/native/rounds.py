@@ -232,8 +232,8 @@ def try_seal(
     # Ranks: by node id (address first), as torch's own handler sorts them.
     members = sorted(joined, key=lambda j: j.node)
     world = len(members)
-    record = SealRecord(round=view.round, world=world, cutoff=joined[-1].create_revision, sealed_by=sealer,
-                        sealed_at=time.time())  # fmt: skip
+    cutoff = joined[-1].create_revision
+    record = SealRecord(round=view.round, world=world, cutoff=cutoff, sealed_by=sealer, sealed_at=time.time())
     round_prefix = layout.round_prefix(view.round)
     seal_key = layout.seal_key(view.round)
     compare = [
@@ -245,7 +245,7 @@ def try_seal(
     ranks = []
     for rank, member in enumerate(members):
         key = layout.rank_key(view.round, sealer, member.node)
-        value = RankRecord(round=view.round, rank=rank, world=world, sealed_by=sealer)
+        value = RankRecord(round=view.round, rank=rank, world=world, cutoff=cutoff, sealed_by=sealer)
         ranks.append(put_op(key, layout.encode(key, value), lease_id))
     last = [put_op(seal_key, layout.encode(seal_key, record), lease_id)]
     if view.round >= 2:  # seals and ranks older than the previous round are no longer read by anyone
@@ -272,14 +272,14 @@ def read_rank(client: EtcdClient, layout: Layout, round_no: int, seal: SealRecor
     if value is None or delete_forged(client, layout, key, value):
         return None
     record = layout.decode(RankRecord, value, key)
-    if (record.round, record.world, record.sealed_by) != (round_no, seal.world, seal.sealed_by) or not (
-        0 <= record.rank < seal.world
-    ):
+    mine = (record.round, record.world, record.cutoff, record.sealed_by)
+    if mine != (round_no, seal.world, seal.cutoff, seal.sealed_by) or not 0 <= record.rank < seal.world:
         raise RecordError(
             f"The rendezvous key {key.decode(errors='replace')} holds rank {record.rank} of a world of "
-            f"{record.world} in round {record.round} sealed by {record.sealed_by}, but round {round_no}'s seal "
-            f"says a world of {seal.world} sealed by {seal.sealed_by}: something else writes under the run's "
-            "prefix; restrict it with etcd's authentication, or use another --rdzv-id."
+            f"{record.world} (cutoff {record.cutoff}) in round {record.round} sealed by {record.sealed_by}, but "
+            f"round {round_no}'s seal says a world of {seal.world} (cutoff {seal.cutoff}) sealed by "
+            f"{seal.sealed_by}: something else writes under the run's prefix; restrict it with etcd's "
+            "authentication, or use another --rdzv-id."
         )
     return record.rank
 
