@@ -188,10 +188,10 @@ def _value(raw: bytes, names: Names) -> str:
         return "{addr}"
     if not isinstance(record, dict):
         return "{value}"
-    if "cutoff" in record:
-        return "{seal_record}"
     if "rank" in record:
         return "{rank_record}"
+    if "cutoff" in record:
+        return "{seal_record}"
     if "fingerprint" in record:
         return "{job_record}"
     if {"node", "addr", "pid", "round"} <= record.keys():
