@@ -14,8 +14,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from service.rendezvous.client import EtcdClient
 from service.rendezvous.lease import NodeLease
+from service.rendezvous.native.ranges import Range
 from service.rendezvous.native.records import Layout, RankRecord, RecordError, SealRecord
 from service.rendezvous.native.rounds import RANKS_PER_TXN, Joiner, RoundView, read_rank, seal_due, try_seal
+from service.rendezvous.native.watching import RoundWatches
+from service.rendezvous.requests import DELETES
 
 from . import test_native
 from .conftest import EtcdMember
@@ -152,7 +155,9 @@ def test_a_forged_rank_key_on_a_signed_run_is_ignored_and_deleted(
 
 
 @pytest.mark.e2e
-def test_a_bad_rank_key_on_an_unsigned_run_is_refused_by_name(etcd_server: EtcdMember, run_id: str) -> None:
+def test_a_bad_rank_key_is_refused_by_name_and_a_failed_tries_means_no_membership(
+    etcd_server: EtcdMember, run_id: str
+) -> None:
     client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id)
     lease = NodeLease(client, 30, 10, lambda reason: None)
@@ -160,13 +165,17 @@ def test_a_bad_rank_key_on_an_unsigned_run_is_refused_by_name(etcd_server: EtcdM
         seal = _seal_two(client, layout, lease)
         key = layout.rank_key(0, "a", "b")
         assert seal.cutoff == 101
-        bad_ones = [RankRecord(round=0, rank=1, world=3, cutoff=101, sealed_by="a"),  # another world's size
-                    RankRecord(round=0, rank=2, world=2, cutoff=101, sealed_by="a"),  # out of range
-                    RankRecord(round=0, rank=1, world=2, cutoff=100, sealed_by="a")]  # a failed try's  # fmt: skip
-        for bad in [b"not json", *(layout.encode(key, record) for record in bad_ones)]:
-            client.call(lambda c, v=bad: c.put(key, v), "planting")
+        for bad in [b"not json", layout.encode(key, RankRecord(round=0, rank=2, world=2, cutoff=101, sealed_by="a"))]:
+            client.call(lambda c, v=bad: c.put(key, v), "planting")  # not JSON of a rank; a rank out of range
             with pytest.raises(RecordError, match=key.decode()):
                 read_rank(client, layout, 0, seal, "b")
+        # Left by a failed try of the same sealer (its chunks landed, its seal did not): another world or cutoff
+        # than the seal's names another member set, so the node is not in the sealed one.
+        for stale in [RankRecord(round=0, rank=1, world=3, cutoff=101, sealed_by="a"),
+                      RankRecord(round=0, rank=1, world=2, cutoff=100, sealed_by="a")]:  # fmt: skip
+            value = layout.encode(key, stale)
+            client.call(lambda c, v=value: c.put(key, v), "planting")
+            assert read_rank(client, layout, 0, seal, "b") is None
     finally:
         lease.revoke()
         client.close()
@@ -229,3 +238,18 @@ def test_a_member_counts_departures_from_its_watch_and_after_a_re_read(etcd_priv
         assert a.num_nodes_waiting() == 2  # b and c left; the overflow key was no member
     finally:
         client.close()
+
+
+def test_a_member_gone_between_the_sealers_decision_and_the_seal_is_a_departure() -> None:
+    """The seal's compare sees new and changed keys of the round, not deleted ones: a member whose key went after
+    the sealer decided (revision 10) but before the seal landed (revision 20) is in the world and gone; a key that
+    went before the decision was no member."""
+    watches = RoundWatches()
+    watches._sealed = SealRecord(round=0, world=3, cutoff=8, sealed_by="a", decided_at=10)
+    watches._seal_revision, watches._key = 20, b"r/0/me"
+    round_deletions = Range("round", b"r/0/", b"r/00", DELETES, deleted={b"r/0/early": 9})
+    assert watches._departed(round_deletions) == 0
+    round_deletions.deleted[b"r/0/b"] = 15  # between the decision and the seal
+    assert watches._departed(round_deletions) == 1
+    round_deletions.deleted[b"r/0/me"] = 25  # its own key: the split-brain guard's, not a departure
+    assert watches._departed(round_deletions) == 1

@@ -71,6 +71,9 @@ class SealRecord(BaseModel):
     cutoff: int = Field(ge=1)  # create_revision of the last member by join order
     sealed_by: str = Field(pattern=NODE_ID.pattern)  # names the rank keys' folder: no "/" in it
     sealed_at: float = 0.0
+    # The revision the sealer decided at: every key of the round then created by the cutoff is a member, so a key
+    # of the round deleted after it is a member gone (the seal's compare sees new and changed keys, not deleted ones).
+    decided_at: int = Field(default=0, ge=0)
 
 
 class RankRecord(BaseModel):

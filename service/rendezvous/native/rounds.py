@@ -233,7 +233,8 @@ def try_seal(
     members = sorted(joined, key=lambda j: j.node)
     world = len(members)
     cutoff = joined[-1].create_revision
-    record = SealRecord(round=view.round, world=world, cutoff=cutoff, sealed_by=sealer, sealed_at=time.time())
+    record = SealRecord(round=view.round, world=world, cutoff=cutoff, sealed_by=sealer, sealed_at=time.time(),
+                        decided_at=decided_at)  # fmt: skip
     round_prefix = layout.round_prefix(view.round)
     seal_key = layout.seal_key(view.round)
     compare = [
@@ -263,8 +264,10 @@ def try_seal(
 def read_rank(client: EtcdClient, layout: Layout, round_no: int, seal: SealRecord, node: str) -> int | None:
     """``node``'s rank in sealed round ``round_no``, from one read of its own rank key; ``None``: not a member.
 
-    On a signed run a forged value there is ignored (as if absent) and deleted; on an unsigned one a value this
-    backend did not write, or one that does not fit the seal, raises ``RecordError`` naming the key.
+    A rank of another world or cutoff than the seal's is a leftover of a failed try of the same sealer (some of
+    its chunks landed): not a member either. On a signed run a forged value there is ignored (as if absent) and
+    deleted; on an unsigned one a value this backend did not write, or a rank outside the seal's world, raises
+    ``RecordError`` naming the key.
     """
     key = layout.rank_key(round_no, seal.sealed_by, node)
     _, [kvs] = client.read_ranges([RangeRead(key)], "reading this node's rank")
@@ -272,14 +275,16 @@ def read_rank(client: EtcdClient, layout: Layout, round_no: int, seal: SealRecor
     if value is None or delete_forged(client, layout, key, value):
         return None
     record = layout.decode(RankRecord, value, key)
-    mine = (record.round, record.world, record.cutoff, record.sealed_by)
-    if mine != (round_no, seal.world, seal.cutoff, seal.sealed_by) or not 0 <= record.rank < seal.world:
+    if (record.round, record.world, record.cutoff, record.sealed_by) != (round_no, seal.world, seal.cutoff,
+                                                                       seal.sealed_by):  # fmt: skip
+        # Left by a try of the same sealer that failed after some of its chunks had landed, for a member set that
+        # differs from the seal's (a world and cutoff name one set): this node is not in the sealed one.
+        return None
+    if not 0 <= record.rank < seal.world:
         raise RecordError(
-            f"The rendezvous key {key.decode(errors='replace')} holds rank {record.rank} of a world of "
-            f"{record.world} (cutoff {record.cutoff}) in round {record.round} sealed by {record.sealed_by}, but "
-            f"round {round_no}'s seal says a world of {seal.world} (cutoff {seal.cutoff}) sealed by "
-            f"{seal.sealed_by}: something else writes under the run's prefix; restrict it with etcd's "
-            "authentication, or use another --rdzv-id."
+            f"The rendezvous key {key.decode(errors='replace')} holds rank {record.rank}, outside round "
+            f"{round_no}'s world of {seal.world}: something else writes under the run's prefix; restrict it with "
+            "etcd's authentication, or use another --rdzv-id."
         )
     return record.rank
 

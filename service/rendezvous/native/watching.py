@@ -9,10 +9,11 @@
 * As a member of the sealed round ``r``: its round's deletions until the first departure of another node,
   and the puts into later rounds (a node waiting) until the first; each then stops, since the answer to
   ``num_nodes_waiting`` can only stay positive and the node restarts. The other members' moves into the next
-  round reach it no more. The seal lists no members: any key of round ``r`` but its own deleted after the seal
-  is a departure (a key that is not a member's can only be a joiner the seal left out, moving on to round
-  ``r + 1``, which makes a node waiting anyway). After a re-read of the round (a rebuilt stream), the members
-  still there are its keys created at or before the seal's ``cutoff``: the others of the seal's ``world`` left.
+  round reach it no more. The seal lists no members: any key of round ``r`` but its own deleted after the
+  sealer's decision (the seal's ``decided_at``) is a departure (a key that is not a member's can only be a
+  joiner the seal left out, moving on to round ``r + 1``, which makes a node waiting anyway). After a re-read
+  of the round (a rebuilt stream), the members still there are its keys created at or before the seal's
+  ``cutoff``: the others of the seal's ``world`` left.
 """
 
 from __future__ import annotations
@@ -105,13 +106,14 @@ class RoundWatches:
         return waiting + (self._departed(own) if own is not None else 0)
 
     def _departed(self, rng: Range) -> int:
-        """How many nodes left its round (``rng``, the round's deletions) since the seal."""
+        """How many nodes left its round (``rng``, the round's deletions) since the sealer decided its members
+        (the seal's ``decided_at``: a member that went between the decision and the seal counts too)."""
         seal = self._sealed
         if seal is None:
             return 0
-        if rng.present is not None and rng.read_at > self._seal_revision:  # re-read after the seal: exact
+        if rng.present is not None and rng.read_at > seal.decided_at:  # re-read after the decision: exact
             return seal.world - sum(1 for created in rng.present.values() if created <= seal.cutoff)
-        return sum(1 for key, at in rng.deleted.items() if key != self._key and at > self._seal_revision)
+        return sum(1 for key, at in rng.deleted.items() if key != self._key and at > seal.decided_at)
 
     def _saw_since(self, round_no: int, revision: int) -> bool:
         """Whether the copy of the round moved past ``revision``, or the round was sealed or closed (``cond`` held)."""
