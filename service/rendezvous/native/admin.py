@@ -33,7 +33,7 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
     info.has_state = True
     nodes: dict[int, list[tuple[str, int]]] = {}
     seals: dict[int, SealRecord] = {}
-    ranks: dict[tuple[int, str], list[tuple[int, str]]] = {}  # (round, sealer) -> (rank, node)
+    ranks: dict[tuple[int, str], list[tuple[int, str, int, int]]] = {}  # (round, sealer) -> (rank, node, world, cutoff)
     try:
         for value, meta in found:
             parsed = layout.parse_node_key(meta.key)
@@ -44,7 +44,7 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
                 seals[round_no] = layout.decode(SealRecord, value, meta.key)
             elif (rank_key := layout.parse_rank_key(meta.key)) is not None:
                 rank = layout.decode(RankRecord, value, meta.key)
-                ranks.setdefault(rank_key[:2], []).append((rank.rank, rank_key[2]))
+                ranks.setdefault(rank_key[:2], []).append((rank.rank, rank_key[2], rank.world, rank.cutoff))
             elif meta.key == layout.closed:
                 layout.decode(ClosedRecord, value, meta.key)
                 info.closed = True
@@ -60,7 +60,8 @@ def describe(raw: Any, key_prefix: str, run_id: str, info: Any, secret: bytes | 
         live = {node for node, _ in nodes.get(newest, [])}
         info.participants = [
             {"node": node, "rank": rank, "heartbeat_age": 0.0 if node in live else None}
-            for rank, node in sorted(ranks.get((newest, seals[newest].sealed_by), []))
+            for rank, node, world, cutoff in sorted(ranks.get((newest, seals[newest].sealed_by), []))
+            if (world, cutoff) == (seals[newest].world, seals[newest].cutoff)  # not a failed try's leftover
         ]
     after = -1 if newest is None else newest
     waiting = [(rev, node) for r, entries in nodes.items() if r > after for node, rev in entries]
