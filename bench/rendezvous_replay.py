@@ -176,7 +176,7 @@ class Node:
         """The recorded seal (its one rank put a template) as the handler sends it at N nodes: a rank put per
         member, by node id, the last ``RANKS_PER_TXN`` operations (less the seal's own) with the seal."""
         from service.rendezvous.native.records import RankRecord
-        from service.rendezvous.native.rounds import RANKS_PER_TXN
+        from service.rendezvous.native.rounds import seal_chunks
         from service.rendezvous.requests import put_op
 
         r, layout = self.r, self.r.layout
@@ -190,10 +190,7 @@ class Node:
             key = layout.rank_key(0, self.name, member)
             value = layout.encode(key, RankRecord(round=0, rank=rank, world=r.n, cutoff=cutoff, sealed_by=self.name))
             ranks.append(put_op(key, value, template[0].request_put.lease))
-        split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
-        chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
-        chunks.append(ranks[split:] + last)
-        return [etcdrpc.TxnRequest(compare=list(built.compare), success=chunk) for chunk in chunks]
+        return [etcdrpc.TxnRequest(compare=list(built.compare), success=chunk) for chunk in seal_chunks(ranks, last)]
 
     async def learn(self, op: dict[str, Any], request: Any, response: Any) -> None:
         r = self.r

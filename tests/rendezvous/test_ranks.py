@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -25,6 +27,18 @@ from .conftest import EtcdMember
 from .test_native import PREFIX, SECRET, Make, _joined, _view, client_for, together, wait_until
 
 make = test_native.make  # the handler fixture
+
+
+@contextmanager
+def _client_and_lease(etcd: EtcdMember) -> Iterator[tuple[EtcdClient, NodeLease]]:
+    """A client of ``etcd`` and a run lease on it (what a sealer writes its seal and ranks on); both given back."""
+    client = client_for(etcd.endpoint)
+    lease = NodeLease(client, 30, 10, lambda reason: None)
+    try:
+        yield client, lease
+    finally:
+        lease.revoke()
+        client.close()
 
 
 def _synthetic(round_no: int, names: list[str]) -> RoundView:
@@ -66,11 +80,9 @@ def test_a_re_formed_world_is_due_now_only_with_a_member_of_the_previous_round()
 def test_a_seal_of_250_writes_every_rank_in_transactions_of_at_most_100_and_each_member_reads_its_own(
     etcd_server: EtcdMember, run_id: str
 ) -> None:
-    client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id)
-    lease = NodeLease(client, 30, 10, lambda reason: None)
     names = _names(260, seed=1)
-    try:
+    with _client_and_lease(etcd_server) as (client, lease):
         sent = _counting(client)
         view = _synthetic(0, names)
         assert try_seal(client, layout, view, 1_000_000, 250, "sealer-node", lease.grant())
@@ -84,9 +96,6 @@ def test_a_seal_of_250_writes_every_rank_in_transactions_of_at_most_100_and_each
         ranks = {name: read_rank(client, layout, 0, seal, name) for name in names}
         assert [ranks[name] for name in members] == list(range(250))  # node-id order
         assert all(ranks[name] is None for name in names[250:])  # joined, beyond max_nodes: no rank key
-    finally:
-        lease.revoke()
-        client.close()
 
 
 @pytest.mark.e2e
@@ -131,10 +140,8 @@ def _seal_two(client: EtcdClient, layout: Layout, lease: NodeLease) -> SealRecor
 def test_a_forged_rank_key_on_a_signed_run_is_ignored_and_deleted(
     etcd_server: EtcdMember, run_id: str, caplog: Any
 ) -> None:
-    client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id, SECRET.encode())
-    lease = NodeLease(client, 30, 10, lambda reason: None)
-    try:
+    with _client_and_lease(etcd_server) as (client, lease):
         seal = _seal_two(client, layout, lease)
         assert [read_rank(client, layout, 0, seal, n) for n in "ab"] == [0, 1]
         unsigned = Layout.of(PREFIX, run_id)
@@ -149,19 +156,14 @@ def test_a_forged_rank_key_on_a_signed_run_is_ignored_and_deleted(
         assert read_rank(client, layout, 0, seal, "b") is None  # not obeyed: b does not take rank 0
         assert all(client.call(lambda c, k=k: c.get(k), "read")[0] is None for k in planted)  # deleted
         assert "ignored and deleted" in caplog.text
-    finally:
-        lease.revoke()
-        client.close()
 
 
 @pytest.mark.e2e
 def test_a_bad_rank_key_is_refused_by_name_and_a_failed_tries_means_no_membership(
     etcd_server: EtcdMember, run_id: str
 ) -> None:
-    client = client_for(etcd_server.endpoint)
     layout = Layout.of(PREFIX, run_id)
-    lease = NodeLease(client, 30, 10, lambda reason: None)
-    try:
+    with _client_and_lease(etcd_server) as (client, lease):
         seal = _seal_two(client, layout, lease)
         key = layout.rank_key(0, "a", "b")
         assert seal.cutoff == 101
@@ -176,9 +178,6 @@ def test_a_bad_rank_key_is_refused_by_name_and_a_failed_tries_means_no_membershi
             value = layout.encode(key, stale)
             client.call(lambda c, v=value: c.put(key, v), "planting")
             assert read_rank(client, layout, 0, seal, "b") is None
-    finally:
-        lease.revoke()
-        client.close()
 
 
 @pytest.mark.e2e

@@ -252,13 +252,18 @@ def try_seal(
     if view.round >= 2:  # seals and ranks older than the previous round are no longer read by anyone
         last.append(delete_op(layout.seals, layout.seal_key(view.round - 1)))
         last.append(delete_op(layout.ranks, layout.ranks_of_round(view.round - 1)))
-    split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
-    chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
-    chunks.append(ranks[split:] + last)
-    for chunk in chunks:
+    for chunk in seal_chunks(ranks, last):
         if not client.txn(txn_request(compare, chunk), "sealing the rendezvous round").succeeded:
             return False
     return True
+
+
+def seal_chunks(ranks: list[Any], last: list[Any]) -> list[list[Any]]:
+    """The operations of a seal in transactions of at most ``RANKS_PER_TXN``: the rank puts in order, the last
+    chunk holding what is left of them together with ``last`` (the seal's own operations)."""
+    split = max(0, len(ranks) - (RANKS_PER_TXN - len(last)))
+    chunks = [ranks[i : min(i + RANKS_PER_TXN, split)] for i in range(0, split, RANKS_PER_TXN)]
+    return [*chunks, ranks[split:] + last]
 
 
 def read_rank(client: EtcdClient, layout: Layout, round_no: int, seal: SealRecord, node: str) -> int | None:
