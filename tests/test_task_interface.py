@@ -193,7 +193,7 @@ def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_o
            "train.log_every=1", "checkpoint.every_steps=2", "data.trace=true")  # fmt: skip
     run_dir = tmp_path / "run"
     first = preempt_agent_at(run_dir, 2, 1, *job, start_as="warm")
-    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job)
+    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, start_as="alone")  # a world of one
     assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < epochs * length // global_batch
     assert second["resumed_from"]["step"] == first["stopped_at_step"] and manifest_steps(run_dir)
     run_job(run_dir, 3, *job, start="warm")

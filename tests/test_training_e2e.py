@@ -57,29 +57,29 @@ def test_builtin_task_trains_under_torchrun(tmp_path, task, train_size, metric, 
     assert state["loop"]["global_step"] == summary["global_step"]
 
 
-def test_same_config_gives_same_model_digest(tmp_path):
-    digests = []
-    for name in ("a", "b"):
-        run_job(tmp_path / name, 2, "train.max_steps=12", start="warm")
-        digests.append(read_summary(tmp_path / name)["model_digest"])
-    assert digests[0] == digests[1]
-    run_job(tmp_path / "c", 2, "train.max_steps=12", "seed=1", start="warm")
-    assert read_summary(tmp_path / "c")["model_digest"] != digests[0]
-
-
 STEPS20 = ("train.max_steps=20", "checkpoint.every_steps=20")
 
 
-def test_ddp_two_ranks_match_one_rank_with_double_batch(tmp_path):
-    """No BatchNorm: DDP's gradient average over 2 × b is the gradient of one batch of 2b."""
+def test_ddp_two_ranks_match_one_rank_and_one_config_gives_one_digest_with_or_without_the_timing_hook(tmp_path):
+    """No BatchNorm: DDP's gradient average over 2 × b is the gradient of one batch of 2b.
+
+    The same jobs show that a run is a function of its config: the accumulating job run twice gives one model
+    digest, the second time with metrics.port=auto, which registers the all-reduce timing comm hook (so the hook
+    trains bit for bit like plain DDP); another seed gives another digest."""
     common = ("task=digits-classification", "task_options.batchnorm=false", *STEPS20)
+    accum = (*common, "train.batch_size=2", "train.grad_accum=2")
     run_job(tmp_path / "two", 2, *common, "train.batch_size=4", start="warm")
     run_job(tmp_path / "one", 1, *common, "train.batch_size=8", start="alone")
-    run_job(tmp_path / "accum", 2, *common, "train.batch_size=2", "train.grad_accum=2", start="warm")
+    run_job(tmp_path / "accum", 2, *accum, "metrics.port=0", start="warm")
+    run_job(tmp_path / "accum-hook", 2, *accum, "metrics.port=auto", start="warm")
+    run_job(tmp_path / "one-seed1", 1, *common, "train.batch_size=8", "seed=1", start="alone")
     one = final_weights(tmp_path / "one")
     assert_same_weights(final_weights(tmp_path / "two"), one)
     # Accumulation with no_sync on all but the last micro-step keeps the same global batch.
     assert_same_weights(final_weights(tmp_path / "accum"), one)
+    digest = read_summary(tmp_path / "accum")["model_digest"]
+    assert read_summary(tmp_path / "accum-hook")["model_digest"] == digest
+    assert read_summary(tmp_path / "one-seed1")["model_digest"] != read_summary(tmp_path / "one")["model_digest"]
 
 
 def test_syncbn_two_cpu_ranks_match_one_rank_plain_batchnorm(tmp_path):
@@ -94,7 +94,7 @@ def test_syncbn_two_cpu_ranks_match_one_rank_plain_batchnorm(tmp_path):
 
 
 def test_inplace_error_is_reraised_with_the_hint(tmp_path):
-    proc = run_job(tmp_path / "run", 2, "task=bad_tasks:inplace_activation", expect_ok=False, start="warm")
+    proc = run_job(tmp_path / "run", 1, "task=bad_tasks:inplace_activation", expect_ok=False, start="alone")
     assert proc.returncode != 0
     assert "modified by an inplace operation" in proc.stdout
     assert "ddp.broadcast_buffers" in proc.stdout and "InplaceGradientError" in proc.stdout
@@ -104,7 +104,7 @@ def test_a_parameter_the_loss_does_not_use_fails_naming_ddp_find_unused_paramete
     """Issue 24: torch's "Expected to have finished reduction in the prior iteration" came alone; the config key
     that fixes it, and its cost, were named nowhere."""
     proc = run_job(
-        tmp_path / "run", 2, "task=bad_tasks:unused_parameters", "train.max_steps=3", start="warm", expect_ok=False
+        tmp_path / "run", 1, "task=bad_tasks:unused_parameters", "train.max_steps=3", start="alone", expect_ok=False
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Expected to have finished reduction in the prior iteration" in proc.stdout
