@@ -30,9 +30,11 @@ from rendezvous.conftest import free_port, free_ports
 MONITORING = REPO / "monitoring"
 WHY = "`make test` installs the Debian package prometheus (apt-get, as root)."
 SCRAPE = "1s"
-# The 2x2 job: rank 3 sleeps SLOW s more per step than the others (SLEEP s): a straggler.
-SLEEP, SLOW, SLOW_RANK = 0.03, 0.12, 3
-# ~0.37 s a step on 2 idle cores: the steady part the throughput test reads (from ~step 32, when the fixture
+# The 2x2 job: rank 3 sleeps SLOW s more per step than the others (SLEEP s): a straggler. Its images are 16 x 16,
+# so a step is mostly those sleeps, not CPU: the job lasts as long as the tests that read it live need, while its
+# 4 ranks' training costs about a quarter of the CPU that 32 x 32 images cost.
+SLEEP, SLOW, SLOW_RANK = 0.06, 0.15, 3
+# ~0.35 s a step on 2 idle cores: the steady part the throughput test reads (from ~step 32, when the fixture
 # hands the job over) lasts ~25 s, 20 or so 1 s points; a loaded machine only makes it longer.
 STRAGGLER_STEPS = 100
 # What the dashboard's template variables become when "All" is selected, and Grafana's rate window.
@@ -206,6 +208,7 @@ def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveJob]
     run_id, run_dir, endpoint = f"prom-{uuid.uuid4().hex[:8]}", tmp / "run", f"127.0.0.1:{free_port()}"
     options = ["--set", "task=slow_tasks:slow_shapes", "--set", f"task_options.sleep={SLEEP}",
                "--set", f"task_options.slow_rank={SLOW_RANK}", "--set", f"task_options.slow_rank_sleep={SLOW}",
+               "--set", "task_options.image_size=16",
                # One long epoch: no evaluation pauses, so the run is steady.
                "--set", "task_options.train_size=8192", "--set", "train.log_every=2",
                # SyncBatchNorm and DDP's buffer broadcast stay on (the defaults): the fast ranks wait for the
