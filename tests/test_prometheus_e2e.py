@@ -343,6 +343,7 @@ def test_restart_shows_as_restarts_metric_not_as_a_negative_rate(tmp_path: Path)
     prom = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     run_id, run_dir = f"restart-{uuid.uuid4().hex[:8]}", tmp_path / "run"
     script = train_args(run_dir, 100000, "--set", "task=slow_tasks:slow_shapes", "--set", "task_options.sleep=0.05",
+                        "--set", "task_options.image_size=16",  # the steps' pace is the sleep's, not the CPU's
                         "--set", "train.log_every=2", "--set", "checkpoint.every_steps=0",
                         "--set", f"metrics.port={base}")  # fmt: skip
     agent = Agent(tmp_path / "agent.log", "127.0.0.1", "c10d", f"127.0.0.1:{free_port()}", run_id, "1", 2, script,
