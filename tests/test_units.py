@@ -48,11 +48,12 @@ def test_plan_total_steps(length, batch, accum, epochs, max_steps, expected):
 
 def test_model_digest_covers_values_and_order():
     state = {"a": torch.arange(4.0), "b": torch.ones(2, 2).t(), "n": torch.tensor(3)}
-    digest = model_digest(state)
-    assert digest == model_digest({k: v.clone() for k, v in state.items()})
-    assert digest != model_digest({**state, "n": torch.tensor(4)})
-    assert digest != model_digest({"b": state["b"], "a": state["a"], "n": state["n"]})
-    assert model_digest({"x": torch.ones(2, dtype=torch.bfloat16)}) != model_digest({"x": torch.ones(2)})
+    digest = model_digest([state])
+    assert digest == model_digest([{k: v.clone() for k, v in state.items()}])
+    assert digest != model_digest([{**state, "n": torch.tensor(4)}])
+    assert digest != model_digest([{"b": state["b"], "a": state["a"], "n": state["n"]}])
+    assert model_digest([{"x": torch.ones(2, dtype=torch.bfloat16)}]) != model_digest([{"x": torch.ones(2)}])
+    assert digest == model_digest([{"a": state["a"]}, {"b": state["b"], "n": state["n"]}])  # modules in turn
 
 
 def test_checkpointer_saves_on_schedule_and_keeps_the_last(tmp_path):

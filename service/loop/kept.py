@@ -21,7 +21,6 @@ were built, with one warning naming them.
 from __future__ import annotations
 
 import collections
-import hashlib
 import io
 import logging
 import pickle
@@ -39,6 +38,7 @@ from service.state.checkpoint_io import (  # noqa: F401 (TASK_KEPT: re-exported)
     kept_names,
     load_tensors,
 )
+from service.telemetry.summary import model_digest
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +106,6 @@ def describe(obj: Any) -> str:
 
 def _has_state(obj: Any) -> bool:
     return all(callable(getattr(obj, method, None)) for method in ("state_dict", "load_state_dict"))
-
-
-def module_digest(modules: Iterator[nn.Module]) -> str:
-    """sha256 over the tensors of each module's state dict, in order, as the bytes of contiguous CPU tensors."""
-    digest = hashlib.sha256()
-    for module in modules:
-        for tensor in module.state_dict().values():
-            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Kept:
@@ -262,7 +252,7 @@ class Kept:
 
     def digest(self) -> str:
         """The ``model_digest`` of summary.json: every kept module's tensors, in the order they were kept."""
-        return module_digest(self.modules())
+        return model_digest(module.state_dict() for module in self.modules())
 
     def module(self, name: str | None = None) -> nn.Module | None:
         """A kept module by name, or the first one."""

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def model_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the tensors in key order, as the bytes of contiguous CPU tensors."""
+def model_digest(state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> str:
+    """summary.json's ``model_digest``: sha256 over the tensors of each state dict in turn, in key order, as the
+    bytes of contiguous CPU tensors."""
     digest = hashlib.sha256()
-    for tensor in state_dict.values():
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    for state_dict in state_dicts:
+        for tensor in state_dict.values():
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
