@@ -477,9 +477,10 @@ def test_a_frozen_single_etcd_is_survived(
     loss is the stall's doing, not theirs: they rejoin (a new round, resumed from the checkpoint), as after
     an outage, instead of exiting with RunLostError.
     """
-    # ~0.13 s a step: the 6 s freeze from step 5 ends near step 50, well before step 80 (asserted below).
-    run_dir, steps = tmp_path / "run", 80
-    job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
+    # 0.3 s of sleep a step (a step's compute is CPU, its sleep is not): the 6 s freeze from step 5 ends by step 25,
+    # well before step 45 (asserted below); the rejoined world resumes from the newest checkpoint and trains on.
+    run_dir, steps = tmp_path / "run", 45
+    job = slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5")
     a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}", warm=True)
     b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}", warm=True)
     a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
