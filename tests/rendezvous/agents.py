@@ -73,6 +73,24 @@ run.main(sys.argv[1:])
 """
 
 
+# The same gate before `ddp-service launch` (a warm agent: its workers forked from a fork server). Its imports come
+# first too; the fork server starts after the gate and imports torch while the agent rendezvouses. The agent's
+# worker command is the one `python -m service launch` gives torchrun, so it joins the same job (its identity).
+_GATED_WARM = """
+import os, sys, time
+gate = sys.argv[1]
+import torch.distributed.run
+import service.cli, service.ops.launcher
+print("gated agent ready", flush=True)
+deadline = time.monotonic() + 300
+while not os.path.exists(gate) and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.argv = ["ddp-service", "launch", *sys.argv[2:]]
+from service.entry import main
+main()
+"""
+
+
 class Agent:
     """One torchrun agent ("node") on its own loopback address."""
 
@@ -99,7 +117,7 @@ class Agent:
         launcher = ["-c", _GATED, str(gate)] if gate is not None else ["-m", "torch.distributed.run"]
         if warm:  # `ddp-service launch`: the same agent, its workers forked from a preloaded fork server
             launcher, script = (
-                ["-m", "service", "launch"],
+                ["-c", _GATED_WARM, str(gate)] if gate is not None else ["-m", "service", "launch"],
                 script[3:] if script[:3] == ["-m", "service", "train"] else script,
             )
         args = [

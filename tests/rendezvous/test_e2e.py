@@ -5,12 +5,15 @@ Tiny jobs, bounded waits; every agent is killed (with its workers) on teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,8 +41,9 @@ AgentFactory = Callable[..., Agent]
 # Agents under `ddp-service launch` (warm=True: the same torchrun agent, its workers forked from a fork server that
 # imported torch once; a restart is a fork, not an interpreter importing torch again) where the test is about the
 # rendezvous, the resume or the lineage, not the start. Cold (torchrun) stay: the plain script, the node loss whose
-# recovery time of a cold restart is bounded (test_b), the failed start, and the tests with a gated agent (c, c2,
-# d3): a gated agent is a cold one, and every agent of a run id must run the same command (the job's identity).
+# recovery time of a cold restart is bounded (test_b), the failed start, and c2 and d3, whose 1-process nodes
+# restart no worker or one (warm saved no CPU there, measured). A gated agent is cold or warm like the others of its
+# run id (agents.py's _GATED_WARM; c): every agent of a run id must run the same command (the job's identity).
 
 
 def summary(run_dir: Path) -> dict:
@@ -191,24 +195,39 @@ def read_trace(run_dir: Path) -> list[dict]:
     return lines
 
 
+@contextlib.contextmanager
+def burning(load: bool) -> Iterator[None]:
+    """With ``load``, a process that keeps one core busy while the block runs (recovery under load)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load else None
+    try:
+        yield
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+
+
 @pytest.mark.parametrize("load", [False, True], ids=["idle", "busy"])
 def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
-    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, cpu_burner: Callable[[], None], load: bool
+    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, load: bool
 ) -> None:
     """SIGKILL of the node that hosts rank 0, with no disk checkpoint to save any step (every_steps=1000): the
     survivor resumes from its own node's in-memory snapshot, at most one step behind the last step completed, and
-    every sample is trained once per epoch. ``busy``: a process burns one of the two cores meanwhile."""
-    if load:
-        cpu_burner()
+    every sample is trained once per epoch. ``busy``: a process burns one of the two cores from the world's first
+    step to the survivor's first resumed step (the snapshots before the loss, the loss and the recovery)."""
     run_dir = tmp_path / "run"
     job = train_args(run_dir, 24, *fixed_batch(32, 8, 128, every_steps=1000), *slow_task(0.03), "--set",
                      "data.trace=true", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job, warm=True)
     for agent in (a, b):
-        agent.wait_for(r"\[rank [0-3]\] INFO step 6/", 120)
-    victim, survivor, killed_at = kill_rank0_node(a, b)
-    completed = max(max(rank_steps([victim, survivor], rank), default=0) for rank in range(4))  # the last logged
+        agent.wait_for(r"\[rank [0-3]\] INFO step 1/", 120)
+    with burning(load):
+        for agent in (a, b):
+            agent.wait_for(r"\[rank [0-3]\] INFO step 6/", 120)
+        victim, survivor, killed_at = kill_rank0_node(a, b)
+        completed = max(max(rank_steps([victim, survivor], rank), default=0) for rank in range(4))  # the last logged
+        survivor.wait_for(r"(?s)\[rank 0\] INFO resuming from .*\[rank 0\] INFO step \d+/", 120)
     assert_ok(survivor, 120)
     result = summary(run_dir)
     assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (2, 24), result
@@ -289,10 +308,10 @@ def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents
     # 24 samples a step: 3 micro-steps of 4 on each of 2 ranks, then 2 on each of 3; 10 steps an epoch.
     job = train_args(run_dir, 60, *fixed_batch(24, 4, 240))
     gate = tmp_path / "go"
-    c = agents("127.0.0.4", etcd_server.endpoint, "2:3", 1, job, gate=gate)
-    c.wait_for("gated agent ready", 60)  # torch imported; torchrun starts when the gate opens
-    a = agents("127.0.0.2", etcd_server.endpoint, "2:3", 1, job)
-    b = agents("127.0.0.3", etcd_server.endpoint, "2:3", 1, job)
+    c = agents("127.0.0.4", etcd_server.endpoint, "2:3", 1, job, gate=gate, warm=True)
+    c.wait_for("gated agent ready", 60)  # torch imported; the agent starts when the gate opens
+    a = agents("127.0.0.2", etcd_server.endpoint, "2:3", 1, job, warm=True)
+    b = agents("127.0.0.3", etcd_server.endpoint, "2:3", 1, job, warm=True)
     a.wait_for(r"\[rank [01]\] INFO step 1/", 120)
     gate.touch()  # the third node arrives while the world of 2 trains
     for agent in (a, b, c):

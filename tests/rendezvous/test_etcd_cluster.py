@@ -1,9 +1,12 @@
 """The etcd3 rendezvous against a 3-member etcd cluster (issue 10, part 8): real etcd, real torchrun agents.
 
-- losing the etcd *leader* mid-run costs no restart;
-- losing 2 of 3 members (no quorum) ends the agents with a clear error within the grace window, and the
-  cluster's return is survived: inside the window the job carries on untouched, after it the same job
-  started again rendezvouses and finishes from its checkpoint.
+- a frozen follower, quorum lost and back inside the grace window, and the lost etcd *leader* cost no restart
+  (three events in one job);
+- losing 2 of 3 members (no quorum) for longer ends the agents with a clear error within the grace window, and
+  after the cluster's return the same job started again rendezvouses and finishes from its checkpoint.
+
+The cluster is the module's (each test has a run id of its own); a test that kills members leaves them to the
+next test's fixture to start again. A partition and a frozen single etcd run their own etcd.
 """
 
 from __future__ import annotations
@@ -98,6 +101,30 @@ def restart_members(cluster: EtcdCluster, indices: list[int]) -> None:
     wait_healthy(cluster.endpoints, timeout=30)
 
 
+@pytest.fixture(scope="module")
+def module_cluster(etcd_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One 3-member cluster for the module's tests (each uses a run id of its own)."""
+    cluster = EtcdCluster(etcd_binary, tmp_path_factory.mktemp("etcd-cluster"), 3)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def etcd_cluster(module_cluster: EtcdCluster, request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    """The module's cluster, whole: the members an earlier test killed (or the last one stopped) start again, with
+    their data. After the last test of the module that uses it, the cluster stops (the tests after it run their own
+    etcd, and an idle cluster's heartbeats are CPU)."""
+    restart_members(module_cluster, [i for i, m in enumerate(module_cluster.members) if m.proc is None])
+    yield module_cluster
+    items = request.session.items
+    later = items[items.index(request.node) + 1 :] if request.node in items else []
+    if not any(item.module is request.module and "etcd_cluster" in item.fixturenames for item in later):
+        module_cluster.stop()
+
+
 def assert_completed_without_restart(run_dir: Path, steps: int, *agents: Agent) -> None:
     for agent in agents:
         rc = agent.wait(180)
@@ -106,24 +133,6 @@ def assert_completed_without_restart(run_dir: Path, steps: int, *agents: Agent) 
     result = summary(run_dir)
     assert result["status"] == "completed" and result["restarts"] == 0, result
     assert result["global_step"] == steps and result["world_size"] == 2, result
-
-
-def test_losing_the_etcd_leader_mid_run_costs_no_restart(
-    etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path
-) -> None:
-    """The leader is also the member the agents use first: the client fails over while raft elects anew."""
-    make_leader(etcd_cluster, 0)
-    run_dir = tmp_path / "run"
-    job = slow_job(run_dir, 40, 0.1)
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, job)
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, job)
-    a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
-    etcd_cluster.members[0].kill()
-    killed_at = time.monotonic()
-    new_leader = leader_index(etcd_cluster)  # raises until the two survivors agree on a leader
-    assert new_leader in (1, 2)
-    assert_completed_without_restart(run_dir, 40, a, b)
-    assert time.monotonic() - killed_at > 1, "the job finished too soon after the kill to prove anything"
 
 
 def quorum_job(run_dir: Path, steps: int) -> list[str]:
@@ -189,23 +198,75 @@ def test_losing_quorum_fails_clearly_within_the_grace_window_and_a_restart_after
     print(f"restarted after the members returned: resumed from {result['resumed_from']}")
 
 
-def test_quorum_back_inside_the_grace_window_is_survived_without_restart(
+# -- a frozen etcd (kill -STOP): a stall, not an outage ------------------------------------------------------
+
+
+class frozen:  # noqa: N801  # a context manager, named for how it reads: `with frozen(member, 6):`
+    """``kill -STOP`` an etcd member for ``seconds``, then ``kill -CONT`` (also if the test fails meanwhile)."""
+
+    def __init__(self, member: EtcdMember, seconds: float) -> None:
+        assert member.proc is not None
+        self.pid, self.seconds = member.proc.pid, seconds
+
+    def __enter__(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self.stopped = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(max(0.0, self.stopped + self.seconds - time.monotonic()))
+        os.kill(self.pid, signal.SIGCONT)
+
+
+FREEZE = 6
+
+
+def test_a_frozen_member_quorum_back_in_the_grace_window_and_a_lost_leader_cost_no_restart(
     etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path
 ) -> None:
-    run_dir, steps, grace = tmp_path / "run", 100, 20
+    """Three events in one job on the 3-member cluster, each survived without a worker restart:
+
+    1. Issue 15, finding 2: the member the agents use first is a follower and freezes for 6 s. With the old
+       default read_timeout of 5 s, a keep-alive sent to it failed only after the 3 s node lease had run out:
+       every agent died with RunLostError. Now it fails after 1 s and is retried on the next member.
+    2. Quorum lost for 4 s (2 members of 3 killed), inside the grace window (20 s), then back: every etcd request
+       of the agents fails meanwhile.
+    3. The leader, also the member the agents use first, is killed: the client fails over while raft elects anew.
+    """
+    make_leader(etcd_cluster, 1)
+    # The events take ~27 s from step 3: at most 90 steps of 0.3 s (more sleep, fewer steps: a step's compute is
+    # CPU, its sleep is not), so the job still runs at the last one; the few steps left then go at full speed.
+    run_dir, steps, grace = tmp_path / "run", 120, 20
     conf = f"grace_period={grace},read_timeout=1"
     slow, until = slowed(tmp_path)
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until), rdzv_conf=conf)
+    job = slow_job(run_dir, steps, 0.3, *until)
+    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, job, rdzv_conf=conf)
+    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, job, rdzv_conf=conf)
     a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
+    # 1. a frozen follower
+    with frozen(etcd_cluster.members[0], FREEZE):
+        time.sleep(FREEZE)
+        assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    time.sleep(AFTERMATH)  # the job's steps as slow as before until then
+    assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    # 2. quorum lost and back inside the grace window
     etcd_cluster.members[1].kill()
     etcd_cluster.members[2].kill()
     time.sleep(4)  # no quorum for 4 s: every etcd request of the agents fails meanwhile
     assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
     restart_members(etcd_cluster, [1, 2])
-    time.sleep(AFTERMATH)  # the job's steps as slow as before until then (it may end meanwhile, as it could before)
+    time.sleep(AFTERMATH)
+    assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
+    # 3. the leader lost
+    make_leader(etcd_cluster, 0)
+    etcd_cluster.members[0].kill()
+    killed_at = time.time()
+    new_leader = leader_index(etcd_cluster)  # raises until the two survivors agree on a leader
+    assert new_leader in (1, 2)
+    time.sleep(AFTERMATH)  # slow steps until then; the rest at full speed
     slow.unlink()
     assert_completed_without_restart(run_dir, steps, a, b)
+    last_step = max(t for agent in (a, b) for t, _, _ in agent.step_times())
+    assert last_step > killed_at + 1, "the job finished too soon after the kill to prove anything"
 
 
 # -- (iii) a network partition between one agent and etcd, in namespaces of the test's own -----------------
@@ -405,50 +466,6 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         etcd.wait(timeout=10)
 
 
-# -- a frozen etcd (kill -STOP): a stall, not an outage ------------------------------------------------------
-
-
-class frozen:  # noqa: N801  # a context manager, named for how it reads: `with frozen(member, 6):`
-    """``kill -STOP`` an etcd member for ``seconds``, then ``kill -CONT`` (also if the test fails meanwhile)."""
-
-    def __init__(self, member: EtcdMember, seconds: float) -> None:
-        assert member.proc is not None
-        self.pid, self.seconds = member.proc.pid, seconds
-
-    def __enter__(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-        self.stopped = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(max(0.0, self.stopped + self.seconds - time.monotonic()))
-        os.kill(self.pid, signal.SIGCONT)
-
-
-FREEZE = 6
-
-
-def test_a_frozen_etcd_member_is_survived_without_restart(
-    etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path
-) -> None:
-    """Issue 15, finding 2: the member the agents use first is a follower and freezes for 6 s.
-
-    With the old default read_timeout of 5 s, a keep-alive sent to it failed only after the 3 s node lease had
-    run out: every agent died with RunLostError. Now it fails after 1 s and is retried on the next member.
-    """
-    make_leader(etcd_cluster, 1)
-    run_dir, steps = tmp_path / "run", 100
-    slow, until = slowed(tmp_path)
-    a = agents("127.0.0.2", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
-    b = agents("127.0.0.3", etcd_cluster.endpoints, "2", 1, slow_job(run_dir, steps, 0.1, *until))
-    a.wait_for(r"\[rank 0\].*\bstep 3\b", 120)
-    with frozen(etcd_cluster.members[0], FREEZE):
-        time.sleep(FREEZE)
-        assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
-    time.sleep(AFTERMATH)  # the job's steps as slow as before until then (it may end meanwhile, as it could before)
-    slow.unlink()
-    assert_completed_without_restart(run_dir, steps, a, b)
-
-
 @pytest.mark.parametrize("impl", ["native", "dynamic"])
 def test_a_frozen_single_etcd_is_survived(
     etcd_private: EtcdMember, agents: AgentFactory, tmp_path: Path, impl: str
@@ -460,11 +477,12 @@ def test_a_frozen_single_etcd_is_survived(
     loss is the stall's doing, not theirs: they rejoin (a new round, resumed from the checkpoint), as after
     an outage, instead of exiting with RunLostError.
     """
-    # ~0.13 s a step: the 6 s freeze from step 5 ends near step 50, well before step 80 (asserted below).
-    run_dir, steps = tmp_path / "run", 80
-    job = slow_job(run_dir, steps, 0.1, "--set", "checkpoint.every_steps=5")
-    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
-    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}")
+    # 0.3 s of sleep a step (a step's compute is CPU, its sleep is not): the 6 s freeze from step 5 ends by step 25,
+    # well before step 45 (asserted below); the rejoined world resumes from the newest checkpoint and trains on.
+    run_dir, steps = tmp_path / "run", 45
+    job = slow_job(run_dir, steps, 0.3, "--set", "checkpoint.every_steps=5")
+    a = agents("127.0.0.2", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}", warm=True)
+    b = agents("127.0.0.3", etcd_private.endpoint, "2", 1, job, rdzv_conf=f"impl={impl}", warm=True)
     a.wait_for(r"\[rank 0\] INFO checkpoint saved: \S*step-00000005\.pt", 120)
     with frozen(etcd_private, FREEZE):
         pass
