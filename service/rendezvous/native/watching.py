@@ -1,23 +1,28 @@
-"""What a native node watches, by its part in the round, so that a join costs every other node no watch event.
+"""What a native node watches, by its part in the round, so that a join costs every other node no watch event and
+etcd no work per waiting node.
 
 * Always: ``closed`` and the seals (``sealed/``): one event per round, the seal.
-* From its join of round ``r``: the deletions in round ``r`` only (etcd drops the puts before sending), from
-  the revision after its join: its own key going, a node ahead of it leaving. Nobody else's join reaches it.
-* As one of the round's first ``SEALERS`` joiners: every key under ``rounds/`` with values, read once and then
-  watched, to decide the seal (``rounds.py``). A node that a deletion moves among the first reads and watches
-  them from then on.
-* As a member of the sealed round ``r``: its round's deletions until the first departure of another node,
-  and the puts into later rounds (a node waiting) until the first; each then stops, since the answer to
+* From its join of round ``r`` until the seal: its own key's deletion, and the round's seats
+  (``seats/<r>/``, ``rounds.SEALERS`` keys): nobody else's join reaches it, and etcd matches a join against
+  the seats' few watchers only, not against every node waiting (a watch of the round's prefix, even one that
+  passes on deletions only, is matched by etcd against every put into the round: O(N) per join).
+* With a seat (one of the round's first joiners, or a node that took a seat its holder left): every key under
+  ``rounds/`` with values, read once and then watched, to decide the seal (``rounds.py``). A node without a
+  seat that sees one free takes it (``rounds.try_take_seat``).
+* As a member of the sealed round ``r``: its round's deletions from the sealer's decision on (the seal's
+  ``decided_at``: etcd replays them from its history) until the first departure of another node, and the puts
+  into later rounds (a node waiting) until the first; each then stops, since the answer to
   ``num_nodes_waiting`` can only stay positive and the node restarts. The other members' moves into the next
   round reach it no more. The seal lists no members: any key of round ``r`` but its own deleted after the
-  sealer's decision (the seal's ``decided_at``) is a departure (a key that is not a member's can only be a
-  joiner the seal left out, moving on to round ``r + 1``, which makes a node waiting anyway). After a re-read
-  of the round (a rebuilt stream), the members still there are its keys created at or before the seal's
+  sealer's decision is a departure (a key that is not a member's can only be a joiner the seal left out,
+  moving on to round ``r + 1``, which makes a node waiting anyway). After a re-read of the round (a rebuilt
+  stream, or a history etcd compacted), the members still there are its keys created at or before the seal's
   ``cutoff``: the others of the seal's ``world`` left.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service.rendezvous.client import EtcdError, prefix_end
@@ -25,13 +30,14 @@ from service.rendezvous.native.errors import connection_error
 from service.rendezvous.native.mirror import Mirror
 from service.rendezvous.native.ranges import FULL, Range
 from service.rendezvous.native.records import Layout, NodeRecord, SealRecord
-from service.rendezvous.native.rounds import among_sealers
+from service.rendezvous.native.rounds import SEALERS, try_take_seat
 from service.rendezvous.requests import DELETES, PUTS
 
 if TYPE_CHECKING:
+    from service.rendezvous.lease import NodeLease
     from service.rendezvous.parts import Etcd3Parts
 
-CLOSED, SEALS, ROUND, ROUNDS, LATER = "closed", "seals", "round", "rounds", "later"
+CLOSED, SEALS, ROUND, ROUNDS, SEATS, LATER = "closed", "seals", "round", "rounds", "seats", "later"
 
 
 class RoundWatches:
@@ -42,9 +48,11 @@ class RoundWatches:
     _layout: Layout
     _sealed: SealRecord | None  # the seal of the round it is a member of
     _seal_revision: int  # the revision that seal was written at
+    _lease: NodeLease
     _mirror: Mirror
     _node: str
     _parts: Etcd3Parts
+    _record: Callable[[int], NodeRecord]  # this node's record in a round
     _round: int | None
     _sealer: bool
 
@@ -53,34 +61,52 @@ class RoundWatches:
         return [Range(CLOSED, layout.closed, None, FULL), Range(SEALS, layout.seals, prefix_end(layout.seals), FULL)]
 
     def _watch_round(self, round_no: int) -> None:
-        """Joined ``round_no`` at ``_joined_at``: watch its deletions from then on, and all of it as a sealer."""
-        prefix = self._layout.round_prefix(round_no)
-        self._add(Range(ROUND, prefix, prefix_end(prefix), DELETES, start=self._joined_at + 1))
+        """Joined ``round_no`` at ``_joined_at``: watch its own key's deletion and the seats, and all of the round
+        with a seat."""
+        assert self._key is not None
+        self._add(Range(ROUND, self._key, None, DELETES, start=self._joined_at + 1))
+        seats = self._layout.seats_of_round(round_no)
+        self._add(Range(SEATS, seats, prefix_end(seats), FULL))  # read now: at most SEALERS keys
         if self._sealer:
             self._add(Range(ROUNDS, self._layout.rounds, prefix_end(self._layout.rounds), FULL))
 
-    def _promote_if_first(self, round_no: int) -> None:
-        """A key of its round went: this node may now be among the first joiners, and then watches them all."""
-        assert self._key is not None
+    def _seat_free(self, round_no: int, tried: int) -> int:
+        """The revision of its copy of the seats if that shows a seat free and is newer than ``tried`` (the copy's
+        revision at its last try), else 0 (``cond`` held). A seat is free once its holder died, or once a forged
+        value in it (left out of the copy) is deleted; a try that another node won waits for that node's put."""
+        rng = self._mirror.range(SEATS)
+        if self._sealer or rng is None or rng.revision <= tried:
+            return 0
+        seats = self._layout.seats_of_round(round_no)
+        taken = sum(1 for key in self._mirror.items() if key.startswith(seats))
+        return rng.revision if taken < SEALERS else 0
+
+    def _take_seat(self, round_no: int) -> None:
+        """A seat of its round is free: take it (if another node does not first), and then watch all the round."""
+        record = self._record(round_no)
         try:
-            sealer = among_sealers(self._parts.client, self._layout, round_no, self._key, None)
+            seat = try_take_seat(self._parts.client, self._layout, round_no, record, self._lease.grant())
         except EtcdError as exc:
             raise connection_error(exc) from exc
-        if sealer:
+        if seat >= 0:
             self._sealer = True
             self._add(Range(ROUNDS, self._layout.rounds, prefix_end(self._layout.rounds), FULL))
 
-    def _watch_as_member(self, round_no: int, seal_revision: int) -> None:
-        """A member of sealed round ``round_no``: watch for the first departure and the first node waiting."""
+    def _watch_as_member(self, round_no: int, seal: SealRecord, seal_revision: int) -> None:
+        """A member of sealed ``round_no``: watch for the first departure since the sealer's decision, and the first
+        node waiting."""
         self._sealer = False
         self._mirror.remove(ROUNDS)
-        self._mirror.set_until(ROUND, lambda rng: self._departed(rng) > 0)
+        self._mirror.remove(SEATS)
+        prefix = self._layout.round_prefix(round_no)
+        self._add(Range(ROUND, prefix, prefix_end(prefix), DELETES, start=seal.decided_at + 1,
+                        until=lambda rng: self._departed(rng) > 0))  # fmt: skip
         later = self._layout.round_prefix(round_no + 1)
         self._add(Range(LATER, later, prefix_end(self._layout.rounds), PUTS, start=seal_revision + 1,
                         until=lambda rng: bool(rng.put)))  # fmt: skip
 
     def _drop_round_watches(self) -> None:
-        for name in (ROUND, ROUNDS, LATER):
+        for name in (ROUND, ROUNDS, SEATS, LATER):
             self._mirror.remove(name)
 
     def _add(self, rng: Range) -> None:
