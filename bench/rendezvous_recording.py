@@ -6,18 +6,19 @@ reads, puts, transactions) as they are made, and every message on its watch and 
 sends it. Each request becomes a template: etcd's message as a dict, with the node's id, the run id, the round,
 its leases and revisions abstracted (``{node}``, ``{run_id}``, ``{round}``, ``{node_lease}``, ``{run_lease}``,
 ``{rev}``), and the values it writes named by what they hold (``{node_record}``, ``{seal_record}``,
-``{rank_record}``, ...). A rank key names the node that sealed the round (``{sealer}``) and a member: the node's
+``{rank_record}``, ...), and the revision a member watches its round's deletions from (``{decided+1}``: after the
+seal's ``decided_at``). A rank key names the node that sealed the round (``{sealer}``) and a member: the node's
 own (``{node}``, the key it reads) or any (``{member}``); the seal's rank puts, one per member, are kept as one
 put (the replay writes one per member of its round, in chunks of ``rounds.RANKS_PER_TXN`` operations, as the
 handler does).
 
 A round has three phases (``start``: the agent's handler is built; ``round``: ``next_rendezvous`` until the seal;
 ``sealed``: after it), and in each a node plays a part: the first agent of the run grants and publishes the run's
-lease (``first``), the first joiner seals (``seals``), the first three joiners watch the whole round (``sealer``),
-everyone else only waits for the seal (``member``), rank 0 publishes the store's address (``rank0``). The
-recording holds, per phase and part, the unary requests in order and the watch stream's messages (as a set: a
-cancel is sent once etcd confirmed the watch, so its place among the creates varies); the
-keep-alives are periodic (``keepalive``: the leases refreshed and how often).
+lease (``first``), the first joiner seals (``seals``), the first three joiners take the round's seats and watch the
+whole round (``sealer``), everyone else only waits for the seal (``member``: its own key, the seats and the seals),
+rank 0 publishes the store's address (``rank0``). The recording holds, per phase and part, the unary requests in
+order and the watch stream's messages (as a set: a cancel is sent once etcd confirmed the watch, so its place among
+the creates varies); the keep-alives are periodic (``keepalive``: the leases refreshed and how often).
 
 ``python bench/rendezvous_replay.py --record`` records a fresh round (4 handlers, so every part is played) and
 rewrites the JSON; ``tests/rendezvous/test_replay_recording.py`` checks that a real round still makes exactly
@@ -138,6 +139,7 @@ class Names:
     run_id: str
     node_lease: int
     run_lease: int
+    decided: int = 0  # the seal's decided_at: a member watches its round's deletions from the revision after
 
 
 def template(message: Any, names: Names) -> dict[str, Any]:
@@ -148,6 +150,9 @@ def template(message: Any, names: Names) -> dict[str, Any]:
             out[fd.name] = [_field(fd, v, names) for v in value]
         else:
             out[fd.name] = _field(fd, value, names)
+    if isinstance(message, etcdrpc.WatchCreateRequest) and out.get("filters") == ["NOPUT"] and out.get("range_end"):
+        if names.decided and message.start_revision == names.decided + 1:  # a member's watch of its round
+            out["start_revision"] = "{decided+1}"
     return out
 
 
@@ -377,7 +382,7 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
     ranks = {handler.node: read_rank(client, layout, 0, seal, handler.node) for handler in handlers}
     played = []
     for i, (requests, handler) in enumerate(zip(sent, handlers, strict=True)):
-        names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id())
+        names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id(), seal.decided_at)
         played.append(Played(
             sent=requests, names=names, first=i == 0, seals=seal.sealed_by == handler.node,
             sealer=layout.node_key(0, handler.node) in first_three, rank0=ranks[handler.node] == 0,

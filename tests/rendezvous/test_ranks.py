@@ -279,7 +279,7 @@ def test_a_waiting_node_takes_the_seat_of_a_dead_sealer_and_seals_without_watchi
         own, round_prefix = layout.node_key(0, late.node), layout.round_prefix(0)
         seats_prefix = layout.seats_of_round(0)
         assert added == [
-            ("round", own, None),  # waiting: its own key's deletion, and the seats
+            ("own", own, None),  # waiting: its own key's deletion, and the seats' deletions
             ("seats", seats_prefix, prefix_end(seats_prefix)),
             ("rounds", layout.rounds, prefix_end(layout.rounds)),  # with a seat: the whole round, to seal it
             ("round", round_prefix, prefix_end(round_prefix)),  # a member: the round's deletions, for departures
@@ -288,4 +288,25 @@ def test_a_waiting_node_takes_the_seat_of_a_dead_sealer_and_seals_without_watchi
     finally:
         for lease in leases:
             lease.revoke()
+        client.close()
+
+
+@pytest.mark.e2e
+def test_on_a_signed_run_forged_seats_are_deleted_at_a_join_and_the_run_seals(
+    etcd_server: EtcdMember, run_id: str, make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone without the secret fills every seat of round 0 before anyone joins: the first joiner finds them
+    taken, deletes the forged values, and the joiners take the seats and seal."""
+    monkeypatch.setenv("S", SECRET)
+    client = client_for(etcd_server.endpoint)
+    layout = Layout.of(PREFIX, run_id, SECRET.encode())
+    try:
+        for key in [layout.seat_key(0, seat) for seat in range(3)]:
+            client.call(lambda c, k=key: c.put(k, b"{}"), "planting")
+        a, b = (make(etcd_server.endpoint, 2, 2, secret_env="S", join_timeout="15") for _ in range(2))
+        infos = together(a.next_rendezvous, b.next_rendezvous)
+        assert sorted(getattr(i, "rank", i) for i in infos) == [0, 1], infos
+        seats = client.list_prefix(layout.seats_of_round(0), "reading the seats")[1]
+        assert seats and all(layout.forgery(kv.key, kv.value) is None for kv in seats)
+    finally:
         client.close()

@@ -153,9 +153,11 @@ class Joined(NamedTuple):
 
 def seat_claim(client: EtcdClient, layout: Layout, round_no: int, record: NodeRecord, lease_id: int) -> Any:
     """A nested transaction that takes the round's first free seat (``layout.seat_key``), if any: seat 0 if nobody
-    holds it, else seat 1, ..., on this node's lease, so a seat frees itself when its holder dies."""
+    holds it, else seat 1, ..., on this node's lease, so a seat frees itself when its holder dies. On a signed run,
+    with every seat taken it reads them: a forged one must not keep a seat from the run's nodes."""
     tx = client.raw.transactions
-    claim = None
+    seats = layout.seats_of_round(round_no)
+    claim = RangeRead(seats, prefix_end(seats)).op() if layout.secret is not None else None
     for seat in reversed(range(SEALERS)):
         key = layout.seat_key(round_no, seat)
         claim = etcdrpc.RequestOp(request_txn=txn_request(
@@ -173,6 +175,13 @@ def seat_taken(response: Any) -> int:
             break
         response = response.responses[0].response_txn
     return -1
+
+
+def _seats_read(response: Any) -> list[Any]:
+    """The seats a signed run's :func:`seat_claim` read when it found every one taken (its response)."""
+    for _ in range(SEALERS - 1):
+        response = response.responses[0].response_txn
+    return list(response.responses[0].response_range.kvs) if response.responses else []
 
 
 def try_join(
@@ -198,7 +207,11 @@ def try_join(
     for _ in range(_PURGES):
         response = client.txn(request, "joining the rendezvous round")
         if response.succeeded:
-            return Joined(int(response.header.revision), seat_taken(response.responses[-1].response_txn), None, None)
+            seat = seat_taken(response.responses[-1].response_txn)
+            if seat < 0 and layout.secret is not None:  # its seat watch sees the deletion, and it takes the seat
+                for kv in _seats_read(response.responses[-1].response_txn):
+                    delete_forged(client, layout, kv.key, kv.value)
+            return Joined(int(response.header.revision), seat, None, None)
         seals, closes = (r.response_range.kvs for r in response.responses)
         seal, closed = _value(seals), _value(closes)
         if not (delete_forged(client, layout, layout.closed, closed) or delete_forged(client, layout, seal_key, seal)):

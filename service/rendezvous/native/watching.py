@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from service.rendezvous.lease import NodeLease
     from service.rendezvous.parts import Etcd3Parts
 
-CLOSED, SEALS, ROUND, ROUNDS, SEATS, LATER = "closed", "seals", "round", "rounds", "seats", "later"
+CLOSED, SEALS, OWN, ROUND, ROUNDS, SEATS, LATER = "closed", "seals", "own", "round", "rounds", "seats", "later"
 
 
 class RoundWatches:
@@ -64,22 +64,26 @@ class RoundWatches:
         """Joined ``round_no`` at ``_joined_at``: watch its own key's deletion and the seats, and all of the round
         with a seat."""
         assert self._key is not None
-        self._add(Range(ROUND, self._key, None, DELETES, start=self._joined_at + 1))
-        seats = self._layout.seats_of_round(round_no)
-        self._add(Range(SEATS, seats, prefix_end(seats), FULL))  # read now: at most SEALERS keys
+        self._add(Range(OWN, self._key, None, DELETES, start=self._joined_at + 1))
+        seats = self._layout.seats_of_round(round_no)  # all taken at its join, or it took one
+        self._add(Range(SEATS, seats, prefix_end(seats), DELETES, start=self._joined_at + 1))
         if self._sealer:
             self._add(Range(ROUNDS, self._layout.rounds, prefix_end(self._layout.rounds), FULL))
 
     def _seat_free(self, round_no: int, tried: int) -> int:
-        """The revision of its copy of the seats if that shows a seat free and is newer than ``tried`` (the copy's
-        revision at its last try), else 0 (``cond`` held). A seat is free once its holder died, or once a forged
-        value in it (left out of the copy) is deleted; a try that another node won waits for that node's put."""
+        """Whether a seat of ``round_no`` came free since its join (``cond`` held): the revision that shows it, if
+        newer than ``tried`` (the one its last try answered), else 0. Every seat was taken when it joined (else its
+        join took one), so a seat is free once a seat key is deleted: its holder died, or a forged value in it was
+        deleted; after a re-read, while the seats present are fewer than ``SEALERS``. A try another node won
+        waits for the next deletion."""
         rng = self._mirror.range(SEATS)
-        if self._sealer or rng is None or rng.revision <= tried:
+        if self._sealer or rng is None:
             return 0
-        seats = self._layout.seats_of_round(round_no)
-        taken = sum(1 for key in self._mirror.items() if key.startswith(seats))
-        return rng.revision if taken < SEALERS else 0
+        if rng.present is not None:  # re-read (a rebuilt stream), then events
+            newest = max([rng.read_at, *rng.deleted.values()]) if len(rng.present) < SEALERS else 0
+        else:
+            newest = max(rng.deleted.values(), default=0)
+        return newest if newest > tried else 0
 
     def _take_seat(self, round_no: int) -> None:
         """A seat of its round is free: take it (if another node does not first), and then watch all the round."""
@@ -96,8 +100,7 @@ class RoundWatches:
         """A member of sealed ``round_no``: watch for the first departure since the sealer's decision, and the first
         node waiting."""
         self._sealer = False
-        self._mirror.remove(ROUNDS)
-        self._mirror.remove(SEATS)
+        self._mirror.remove(ROUNDS)  # its own key's and the seats' watches stay until its next join: no event
         prefix = self._layout.round_prefix(round_no)
         self._add(Range(ROUND, prefix, prefix_end(prefix), DELETES, start=seal.decided_at + 1,
                         until=lambda rng: self._departed(rng) > 0))  # fmt: skip
@@ -106,7 +109,7 @@ class RoundWatches:
                         until=lambda rng: bool(rng.put)))  # fmt: skip
 
     def _drop_round_watches(self) -> None:
-        for name in (ROUND, ROUNDS, SEATS, LATER):
+        for name in (OWN, ROUND, ROUNDS, SEATS, LATER):
             self._mirror.remove(name)
 
     def _add(self, rng: Range) -> None:
@@ -118,18 +121,18 @@ class RoundWatches:
     # -- what the watches say (``cond`` held) ----------------------------------------------------
     def _own_key_gone(self) -> bool:
         """Whether this node's key in its round was deleted since it joined."""
-        rng = self._mirror.range(ROUND)
+        rng = self._mirror.range(OWN)
         return self._key is None or (rng is not None and rng.gone(self._key))
 
     def _waiting_and_departed(self) -> int:
         """As a member: nodes waiting in later rounds, plus members of its round that left (each until the first)."""
         assert self._round is not None
-        later, own = self._mirror.range(LATER), self._mirror.range(ROUND)
+        later, members = self._mirror.range(LATER), self._mirror.range(ROUND)
         waiting = 0
         for key, entry in (later.put if later is not None else {}).items():
             self._layout.decode(NodeRecord, entry.value, key)  # a planted value is refused, not counted
             waiting += 1
-        return waiting + (self._departed(own) if own is not None else 0)
+        return waiting + (self._departed(members) if members is not None else 0)
 
     def _departed(self, rng: Range) -> int:
         """How many nodes left its round (``rng``, the round's deletions) since the sealer decided its members
