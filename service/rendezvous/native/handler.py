@@ -82,7 +82,7 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
         self._lock = threading.Lock()
         self._key: bytes | None = None  # this node's key in its current round
         self._joined_at = 0  # the revision of the write that put it there
-        self._sealer = False  # among its round's first joiners: it watches the whole round and may seal it
+        self._sealer = False  # holds a seat of its round: it watches the whole round and may seal it
         self._round: int | None = None  # the sealed round this node is a member of
         self._seal_created = 0
         self._sealed: SealRecord | None = None  # the seal of the round it is a member of
