@@ -72,12 +72,19 @@ class Sent:
     request: Any
 
 
+# When the handler asked for each watch request (id of the message -> time): gRPC sends a stream's messages when it
+# pulls them, which may be after the handler moved on to the next phase; a message belongs to the phase it was
+# asked for in.
+_ASKED: dict[int, float] = {}
+
+
 @dataclass
 class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Records every request one client sends; ``phase()`` names the phase at the time."""
+    """Records every request one client sends; ``phase(at)`` names the phase at the time ``at`` (monotonic) that
+    the handler made it."""
 
     sent: list[Sent] = field(default_factory=list)
-    phase: Callable[[], str] = lambda: "start"
+    phase: Callable[[float], str] = lambda at: "start"
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _add(self, stream: str, method: Any, request: Any) -> None:
@@ -85,8 +92,9 @@ class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercep
         rpc = "/".join(name.rsplit("/", 2)[-2:]).replace("etcdserverpb.", "")
         copy = type(request)()
         copy.CopyFrom(request)
+        at = _ASKED.pop(id(request), None) or time.monotonic()
         with self.lock:
-            self.sent.append(Sent(self.phase(), stream, rpc, copy))
+            self.sent.append(Sent(self.phase(at), stream, rpc, copy))
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         self._add("unary", details.method, request)
@@ -128,6 +136,31 @@ def recording() -> Iterator[list[Recorder]]:
         yield recorders
     finally:
         client_module.EtcdClient._build = build  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def asked_times() -> Iterator[None]:
+    """While inside, every watch stream built notes when each of its requests was asked for (``_ASKED``)."""
+    from service.rendezvous import watchstream
+
+    init = watchstream.WatchStream.__init__
+
+    def stamped_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        put = self._requests.put
+
+        def stamped_put(item: Any, *more: Any) -> None:
+            if item is not None:
+                _ASKED[id(item)] = time.monotonic()
+            put(item, *more)
+
+        self._requests.put = stamped_put
+
+    watchstream.WatchStream.__init__ = stamped_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        watchstream.WatchStream.__init__ = init  # type: ignore[method-assign]
 
 
 # -- templates -----------------------------------------------------------------------------------------------------
@@ -350,8 +383,12 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
             handlers.append(build_handler(params))
         if len(recorders) != nodes:
             raise RuntimeError(f"{len(recorders)} etcd clients were built for {nodes} handlers; one each expected.")
+    begun = time.monotonic()
     for recorder, handler in zip(recorders, handlers, strict=True):
-        recorder.phase = lambda h=handler: "sealed" if h._round is not None else "round"
+        sealed_at: list[float] = []  # when it began to watch as a member of the sealed round
+        as_member = handler._watch_as_member
+        handler._watch_as_member = lambda *a, real=as_member, at=sealed_at: at.append(time.monotonic()) or real(*a)
+        recorder.phase = lambda at, s=sealed_at: "start" if at < begun else "sealed" if s and at >= s[0] else "round"
     results: list[Any] = [None] * nodes
 
     def join(i: int) -> None:
@@ -361,10 +398,11 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
             results[i] = exc
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(nodes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
+    with asked_times():  # the watch streams start with the round
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout)
     failed = [r for r in results if not hasattr(r, "world_size")]
     if failed:
         for handler in handlers:
