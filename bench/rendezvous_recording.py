@@ -6,18 +6,19 @@ reads, puts, transactions) as they are made, and every message on its watch and 
 sends it. Each request becomes a template: etcd's message as a dict, with the node's id, the run id, the round,
 its leases and revisions abstracted (``{node}``, ``{run_id}``, ``{round}``, ``{node_lease}``, ``{run_lease}``,
 ``{rev}``), and the values it writes named by what they hold (``{node_record}``, ``{seal_record}``,
-``{rank_record}``, ...). A rank key names the node that sealed the round (``{sealer}``) and a member: the node's
+``{rank_record}``, ...), and the revision a member watches its round's deletions from (``{decided+1}``: after the
+seal's ``decided_at``). A rank key names the node that sealed the round (``{sealer}``) and a member: the node's
 own (``{node}``, the key it reads) or any (``{member}``); the seal's rank puts, one per member, are kept as one
 put (the replay writes one per member of its round, in chunks of ``rounds.RANKS_PER_TXN`` operations, as the
 handler does).
 
 A round has three phases (``start``: the agent's handler is built; ``round``: ``next_rendezvous`` until the seal;
 ``sealed``: after it), and in each a node plays a part: the first agent of the run grants and publishes the run's
-lease (``first``), the first joiner seals (``seals``), the first three joiners watch the whole round (``sealer``),
-everyone else only waits for the seal (``member``), rank 0 publishes the store's address (``rank0``). The
-recording holds, per phase and part, the unary requests in order and the watch stream's messages (as a set: a
-cancel is sent once etcd confirmed the watch, so its place among the creates varies); the
-keep-alives are periodic (``keepalive``: the leases refreshed and how often).
+lease (``first``), the first joiner seals (``seals``), the first three joiners take the round's seats and watch the
+whole round (``sealer``), everyone else only waits for the seal (``member``: its own key, the seats and the seals),
+rank 0 publishes the store's address (``rank0``). The recording holds, per phase and part, the unary requests in
+order and the watch stream's messages (as a set: a cancel is sent once etcd confirmed the watch, so its place among
+the creates varies); the keep-alives are periodic (``keepalive``: the leases refreshed and how often).
 
 ``python bench/rendezvous_replay.py --record`` records a fresh round (4 handlers, so every part is played) and
 rewrites the JSON; ``tests/rendezvous/test_replay_recording.py`` checks that a real round still makes exactly
@@ -71,12 +72,19 @@ class Sent:
     request: Any
 
 
+# When the handler asked for each watch request (id of the message -> time): gRPC sends a stream's messages when it
+# pulls them, which may be after the handler moved on to the next phase; a message belongs to the phase it was
+# asked for in.
+_ASKED: dict[int, float] = {}
+
+
 @dataclass
 class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Records every request one client sends; ``phase()`` names the phase at the time."""
+    """Records every request one client sends; ``phase(at)`` names the phase at the time ``at`` (monotonic) that
+    the handler made it."""
 
     sent: list[Sent] = field(default_factory=list)
-    phase: Callable[[], str] = lambda: "start"
+    phase: Callable[[float], str] = lambda at: "start"
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _add(self, stream: str, method: Any, request: Any) -> None:
@@ -84,8 +92,9 @@ class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercep
         rpc = "/".join(name.rsplit("/", 2)[-2:]).replace("etcdserverpb.", "")
         copy = type(request)()
         copy.CopyFrom(request)
+        at = _ASKED.pop(id(request), None) or time.monotonic()
         with self.lock:
-            self.sent.append(Sent(self.phase(), stream, rpc, copy))
+            self.sent.append(Sent(self.phase(at), stream, rpc, copy))
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         self._add("unary", details.method, request)
@@ -129,6 +138,31 @@ def recording() -> Iterator[list[Recorder]]:
         client_module.EtcdClient._build = build  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def asked_times() -> Iterator[None]:
+    """While inside, every watch stream built notes when each of its requests was asked for (``_ASKED``)."""
+    from service.rendezvous import watchstream
+
+    init = watchstream.WatchStream.__init__
+
+    def stamped_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        put = self._requests.put
+
+        def stamped_put(item: Any, *more: Any) -> None:
+            if item is not None:
+                _ASKED[id(item)] = time.monotonic()
+            put(item, *more)
+
+        self._requests.put = stamped_put
+
+    watchstream.WatchStream.__init__ = stamped_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        watchstream.WatchStream.__init__ = init  # type: ignore[method-assign]
+
+
 # -- templates -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Names:
@@ -138,6 +172,7 @@ class Names:
     run_id: str
     node_lease: int
     run_lease: int
+    decided: int = 0  # the seal's decided_at: a member watches its round's deletions from the revision after
 
 
 def template(message: Any, names: Names) -> dict[str, Any]:
@@ -148,6 +183,9 @@ def template(message: Any, names: Names) -> dict[str, Any]:
             out[fd.name] = [_field(fd, v, names) for v in value]
         else:
             out[fd.name] = _field(fd, value, names)
+    if isinstance(message, etcdrpc.WatchCreateRequest) and out.get("filters") == ["NOPUT"] and out.get("range_end"):
+        if names.decided and message.start_revision == names.decided + 1:  # a member's watch of its round
+            out["start_revision"] = "{decided+1}"
     return out
 
 
@@ -345,8 +383,12 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
             handlers.append(build_handler(params))
         if len(recorders) != nodes:
             raise RuntimeError(f"{len(recorders)} etcd clients were built for {nodes} handlers; one each expected.")
+    begun = time.monotonic()
     for recorder, handler in zip(recorders, handlers, strict=True):
-        recorder.phase = lambda h=handler: "sealed" if h._round is not None else "round"
+        sealed_at: list[float] = []  # when it began to watch as a member of the sealed round
+        as_member = handler._watch_as_member
+        handler._watch_as_member = lambda *a, real=as_member, at=sealed_at: at.append(time.monotonic()) or real(*a)
+        recorder.phase = lambda at, s=sealed_at: "start" if at < begun else "sealed" if s and at >= s[0] else "round"
     results: list[Any] = [None] * nodes
 
     def join(i: int) -> None:
@@ -356,10 +398,11 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
             results[i] = exc
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(nodes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
+    with asked_times():  # the watch streams start with the round
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout)
     failed = [r for r in results if not hasattr(r, "world_size")]
     if failed:
         for handler in handlers:
@@ -377,7 +420,7 @@ def record_round(endpoint: str, run_id: str, nodes: int = 4, timeout: float = 60
     ranks = {handler.node: read_rank(client, layout, 0, seal, handler.node) for handler in handlers}
     played = []
     for i, (requests, handler) in enumerate(zip(sent, handlers, strict=True)):
-        names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id())
+        names = Names(handler.node, run_id, handler._lease._id or 0, handler._parts.lease.id(), seal.decided_at)
         played.append(Played(
             sent=requests, names=names, first=i == 0, seals=seal.sealed_by == handler.node,
             sealer=layout.node_key(0, handler.node) in first_three, rank0=ranks[handler.node] == 0,

@@ -11,8 +11,9 @@ stream of its own (node lease every ``keep_alive_interval``, run lease every thi
 leases, N watch streams and N keep-alive streams, as with N real nodes; the generator is asyncio on a few gRPC
 channels, no thread per node, and its own CPU is measured.
 
-The parts a node plays are decided as a real handler decides them: by the join transaction's count (the first
-three joiners watch the whole round; the first one seals once it has seen N keys), by its read of its own rank key
+The parts a node plays are decided as a real handler decides them: by the seat its join transaction took (the
+first three joiners take the round's seats and watch the whole round; the first one seals once it has seen N keys;
+everyone else watches its own key, the seats and the seals), by its read of its own rank key
 once it saw the seal (rank 0 writes the store's address; the others poll for it as the store does).
 
 Per N (a fresh run id each): every node starts (at most 64 at once), then all join at one instant. Reported: the
@@ -49,6 +50,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import grpc  # noqa: E402
 import rendezvous_recording as rr  # noqa: E402
 from pyetcd import etcdrpc  # noqa: E402
+
+from service.rendezvous.native.rounds import seat_taken  # noqa: E402
 
 CHANNELS = 4
 START_AT_ONCE = 64
@@ -118,6 +121,8 @@ class Node:
             return r.run_lease
         if placeholder == "{rev}":
             return self.rev if field == "revision" else self.rev + 1
+        if placeholder == "{decided+1}":  # a member's watch of its round's deletions: from the seal's decision on
+            return self.decided + 1
         keys = {"node": self.name, "run_id": r.run_id, "round": "0" * rr.ROUND_DIGITS,
                 "round+1": f"{1:0{rr.ROUND_DIGITS}d}", "store_round": "0", "sealer": self.sealer or self.name,
                 "member": self.name}  # fmt: skip
@@ -210,8 +215,8 @@ class Node:
                 self.full.set()
         elif op["rpc"] == "KV/Txn" and any(o.HasField("request_put") and o.request_put.key.startswith(r.round_prefix)
                                           for o in request.success):  # fmt: skip
-            count = response.responses[-1].response_range.count
-            self.role = "seals" if count == 1 else "sealer" if count <= 3 else "member"
+            seat = seat_taken(response.responses[-1].response_txn)
+            self.role = "seals" if seat == 0 else "sealer" if seat > 0 else "member"
         elif op["rpc"] == "KV/Txn" and not request.compare and request.success:  # the store's read: poll it
             pause = _POLL_FIRST
             while not all(o.response_range.kvs for o in response.responses):
@@ -239,7 +244,8 @@ class Node:
                 if key == r.seal_key and not self.sealed.is_set():
                     self.sealed_at = time.monotonic()
                     self.rev = int(event.kv.mod_revision)
-                    self.sealer = json.loads(event.kv.value)["sealed_by"]
+                    seal = json.loads(event.kv.value)
+                    self.sealer, self.decided = seal["sealed_by"], seal["decided_at"]
                     self.sealed.set()
                 elif key.startswith(r.round_prefix) and event.type == 0 and event.kv.version == 1:
                     self.seen += 1
@@ -307,7 +313,7 @@ class Round:
             return layout.encode(key, NodeRecord(node=node.name, addr=node.name.split("_")[0], pid=node.index, round=0))
         if placeholder == "{seal_record}":
             record = SealRecord(round=0, world=self.n, cutoff=max(1, node.cutoff), sealed_by=node.name,
-                                sealed_at=time.time())  # fmt: skip
+                                sealed_at=time.time(), decided_at=node.decided)  # fmt: skip
             return layout.encode(self.seal_key, record)
         if placeholder == "{rank_record}":  # the template's one rank put: the replay writes one per member
             return layout.encode(

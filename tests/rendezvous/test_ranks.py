@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-from service.rendezvous.client import EtcdClient
+from service.rendezvous.client import EtcdClient, prefix_end
 from service.rendezvous.lease import NodeLease
 from service.rendezvous.native.ranges import Range
 from service.rendezvous.native.records import Layout, RankRecord, RecordError, SealRecord
@@ -252,3 +252,61 @@ def test_a_member_gone_between_the_sealers_decision_and_the_seal_is_a_departure(
     assert watches._departed(round_deletions) == 1
     round_deletions.deleted[b"r/0/me"] = 25  # its own key: the split-brain guard's, not a departure
     assert watches._departed(round_deletions) == 1
+
+
+@pytest.mark.e2e
+def test_a_waiting_node_takes_the_seat_of_a_dead_sealer_and_seals_without_watching_the_round(
+    etcd_server: EtcdMember, run_id: str, make: Make
+) -> None:
+    """The round's first three joiners took its three seats; the fourth, a real handler, watches only its own key,
+    the seats and the seals (no watch of the round's keys, which etcd would match against every join). All three
+    seat holders die before the seal: their seats go with their leases, the fourth takes one and seals alone."""
+    client = client_for(etcd_server.endpoint)
+    layout = Layout.of(PREFIX, run_id)
+    leases = _joined(client, layout, 0, ["a", "b", "c"])
+    try:
+        seats = client.list_prefix(layout.seats_of_round(0), "reading the seats")[1]
+        assert sorted(kv.key for kv in seats) == [layout.seat_key(0, i) for i in range(3)]
+        late = make(etcd_server.endpoint, 1, 8, last_call_timeout="1", join_timeout="15")
+        added: list[tuple[str, bytes, bytes | None]] = []
+        real = late._mirror.add
+        late._mirror.add = lambda rng: added.append((rng.name, rng.key, rng.end)) or real(rng)
+        threading.Timer(1.0, lambda: [lease.revoke() for lease in leases]).start()  # they die while it waits
+        info = late.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        seal = _view(client, layout, 0)[1].seal
+        assert seal is not None and (seal.world, seal.sealed_by) == (1, late.node)
+        own, round_prefix = layout.node_key(0, late.node), layout.round_prefix(0)
+        seats_prefix = layout.seats_of_round(0)
+        assert added == [
+            ("own", own, None),  # waiting: its own key's deletion, and the seats' deletions
+            ("seats", seats_prefix, prefix_end(seats_prefix)),
+            ("rounds", layout.rounds, prefix_end(layout.rounds)),  # with a seat: the whole round, to seal it
+            ("round", round_prefix, prefix_end(round_prefix)),  # a member: the round's deletions, for departures
+            ("later", layout.round_prefix(1), prefix_end(layout.rounds)),
+        ], added
+    finally:
+        for lease in leases:
+            lease.revoke()
+        client.close()
+
+
+@pytest.mark.e2e
+def test_on_a_signed_run_forged_seats_are_deleted_at_a_join_and_the_run_seals(
+    etcd_server: EtcdMember, run_id: str, make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone without the secret fills every seat of round 0 before anyone joins: the first joiner finds them
+    taken, deletes the forged values, and the joiners take the seats and seal."""
+    monkeypatch.setenv("S", SECRET)
+    client = client_for(etcd_server.endpoint)
+    layout = Layout.of(PREFIX, run_id, SECRET.encode())
+    try:
+        for key in [layout.seat_key(0, seat) for seat in range(3)]:
+            client.call(lambda c, k=key: c.put(k, b"{}"), "planting")
+        a, b = (make(etcd_server.endpoint, 2, 2, secret_env="S", join_timeout="15") for _ in range(2))
+        infos = together(a.next_rendezvous, b.next_rendezvous)
+        assert sorted(getattr(i, "rank", i) for i in infos) == [0, 1], infos
+        seats = client.list_prefix(layout.seats_of_round(0), "reading the seats")[1]
+        assert seats and all(layout.forgery(kv.key, kv.value) is None for kv in seats)
+    finally:
+        client.close()

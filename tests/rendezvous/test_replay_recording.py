@@ -55,6 +55,8 @@ def _example_fill(names: Any) -> Any:
             return names.run_lease
         if placeholder == "{rev}":
             return 7
+        if placeholder == "{decided+1}":
+            return names.decided + 1
         if field == "value":
             return values[placeholder].encode()
         return rr.fill_text(placeholder, keys).encode()
@@ -65,7 +67,7 @@ def _example_fill(names: Any) -> Any:
 def test_the_replay_builds_every_recorded_request_back_from_its_template() -> None:
     recording = rr.load()
     assert rr.missing_parts(recording) == []
-    names = rr.Names("127.0.0.1_4242_0badcafe", "replay-run", 0x1111, 0x2222)
+    names = rr.Names("127.0.0.1_4242_0badcafe", "replay-run", 0x1111, 0x2222, decided=10)
     fill = _example_fill(names)
     ops = [op for phase in recording["parts"].values() for stream in phase.values() for part in stream.values()
            for op in part]  # fmt: skip

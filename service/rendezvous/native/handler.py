@@ -82,7 +82,7 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
         self._lock = threading.Lock()
         self._key: bytes | None = None  # this node's key in its current round
         self._joined_at = 0  # the revision of the write that put it there
-        self._sealer = False  # among its round's first joiners: it watches the whole round and may seal it
+        self._sealer = False  # holds a seat of its round: it watches the whole round and may seal it
         self._round: int | None = None  # the sealed round this node is a member of
         self._seal_created = 0
         self._sealed: SealRecord | None = None  # the seal of the round it is a member of
@@ -129,7 +129,7 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
                 self._leave()
                 raise
             self._round, self._sealed = round_no, seal
-            self._watch_as_member(round_no, self._seal_revision)
+            self._watch_as_member(round_no, seal, self._seal_revision)
             world = seal.world
         log.info(
             "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
@@ -258,12 +258,10 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
 
     def _join(self, round_no: int) -> bool:
         """Write this node's key into ``round_no``; whether it was refused, the round being sealed first."""
-        record = NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no,
-                            member_of=self._member_of)  # fmt: skip
         try:
             lease_id = self._lease.grant()
             self.writes += 1
-            joined = try_join(self._parts.client, self._layout, round_no, record, lease_id, self._key)
+            joined = try_join(self._parts.client, self._layout, round_no, self._record(round_no), lease_id, self._key)
             if joined.revision:
                 self._key, self._joined_at = self._layout.node_key(round_no, self._node), joined.revision
                 self._sealer = joined.sealer
@@ -282,17 +280,20 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
         self._layout.decode(SealRecord, joined.seal, self._layout.seal_key(round_no))  # a planted seal is refused
         return True
 
+    def _record(self, round_no: int) -> NodeRecord:
+        return NodeRecord(node=self._node, addr=self._addr, pid=os.getpid(), round=round_no, member_of=self._member_of)
+
     def _wait_for_seal(self, round_no: int, deadline: float, deletions: int) -> tuple[SealRecord, int] | None:
         """The round's seal (and its revision) once it is there; ``None`` if this node's key vanished before.
 
-        A sealer (one of the first joiners) decides from its copy of the whole round when to seal. Any other
-        node waits for the seal, and on a deletion in its round asks whether it is now among the first.
+        A sealer (a node with one of the round's seats) decides from its copy of the whole round when to seal. Any
+        other node waits for the seal, and takes a seat that its copy shows free.
         """
         due_since: float | None = None
         mirror, layout = self._mirror, self._layout
         seal_key = layout.seal_key(round_no)
         view: RoundView | None = None
-        leader, looked_at, wake, revision = True, 0.0, None, 0
+        leader, looked_at, wake, revision, tried = True, 0.0, None, 0, 0
         while True:
             with mirror.cond:
                 self._check_locked()
@@ -306,7 +307,7 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
                     return None
                 now, seen = time.monotonic(), mirror.revision
                 deleted, deletions = mirror.deletions != deletions, mirror.deletions
-                promote = deleted and not self._sealer
+                free = self._seat_free(round_no, tried)
                 # Only the first joiner seals, and it stays first until a key is deleted: the other sealers look
                 # at the whole round only after a deletion, or twice a second for the backup seal.
                 rounds = mirror.range(ROUNDS)
@@ -321,8 +322,9 @@ class NativeRendezvousHandler(SplitBrainGuard, RoundWatches, Sealing, Rendezvous
                     looked_at = now
             if now >= deadline:
                 raise self._join_timeout(round_no, view)
-            if promote:
-                self._promote_if_first(round_no)
+            if free:
+                tried = free
+                self._take_seat(round_no)
                 continue
             if self._sealer and wake is not None and wake <= now and view is not None:
                 self._seal(view, revision)

@@ -190,6 +190,17 @@ class Layout:
     def ranks(self) -> bytes:
         return self.base + b"ranks/"
 
+    @property
+    def seats(self) -> bytes:
+        return self.base + b"seats/"
+
+    def seats_of_round(self, round_no: int) -> bytes:
+        """The prefix of round ``round_no``'s sealer seats (``rounds.SEALERS`` keys, one per sealer)."""
+        return self.seats + f"{round_no:0{_ROUND_WIDTH}d}/".encode()
+
+    def seat_key(self, round_no: int, seat: int) -> bytes:
+        return self.seats_of_round(round_no) + str(seat).encode()
+
     def ranks_of_round(self, round_no: int) -> bytes:
         """The prefix of every rank key of round ``round_no`` (whoever sealed it)."""
         return self.ranks + f"{round_no:0{_ROUND_WIDTH}d}/".encode()

@@ -2,10 +2,14 @@
 
 A node joins round ``t`` (the round after the newest sealed one) with one
 transaction that writes its :class:`NodeRecord` on its own lease, and only if
-``t`` is not sealed yet and the run is not closed; the same transaction tells
-it whether it is among the round's first ``SEALERS`` joiners, who watch the
-whole round and may seal it. Round ``t`` is sealed by one transaction that
-writes its :class:`SealRecord` only if
+``t`` is not sealed yet and the run is not closed; the same transaction takes
+one of the round's ``SEALERS`` seats if one is free (a key per seat, on the
+node's lease), and a node with a seat watches the whole round and may seal
+it. The first ``SEALERS`` joiners take the seats; a seat whose holder dies
+goes with its lease, and a waiting node takes it. Nobody else watches the
+round's keys before the seal, so a join costs etcd no work per waiting node.
+Round ``t`` is sealed by one transaction that writes its :class:`SealRecord`
+only if
 
 * nobody sealed ``t`` before (``create_revision`` of the seal key is 0),
 * the run is not closed,
@@ -34,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pyetcd import etcdrpc
+
 from service.rendezvous.client import EtcdClient, EtcdError, prefix_end
 from service.rendezvous.native.ranges import Entry
 from service.rendezvous.native.records import Layout, NodeRecord, RankRecord, RecordError, SealRecord
@@ -41,9 +47,9 @@ from service.rendezvous.requests import RangeRead, delete_op, put_op, txn_reques
 
 log = logging.getLogger(__name__)
 _PURGES = 5  # joins refused by forged values (each then deleted) before giving up
-# The first joiners of a round (by join revision) watch all its keys and may seal it: the first seals, the others
-# step in if it has not one liveness timeout later. Every other node watches only the seals and its round's
-# deletions, so a join costs it no event.
+# The holders of a round's seats (its first joiners, or who took a seat that came free) watch all its keys and
+# may seal it: the first joiner seals, the others step in if it has not one liveness timeout later. Every other
+# node watches only its own key, the seats and the seals, so a join costs it no event and etcd no match.
 SEALERS = 3
 # etcd refuses a transaction of more than --max-txn-ops operations (128 by default): a seal writes its ranks in
 # transactions of at most this many operations each.
@@ -131,42 +137,66 @@ def seal_due(view: RoundView, min_nodes: int, max_nodes: int) -> str | None:
 
 
 class Joined(NamedTuple):
-    """What a join transaction found: the revision of its write (0: refused), whether this node is among the
-    round's first ``SEALERS`` joiners, the round's seal if it was sealed first, the closed record if closed."""
+    """What a join transaction found: the revision of its write (0: refused), the sealer's seat it took (-1: none),
+    the round's seal if it was sealed first, the closed record if closed."""
 
     revision: int
-    sealer: bool
+    seat: int
     seal: bytes | None
     closed: bytes | None
     seal_revision: int = 0  # the revision the seal was written at
 
+    @property
+    def sealer(self) -> bool:
+        return self.seat >= 0
 
-def first_joiners_read(layout: Layout, round_no: int) -> RangeRead:
-    """The round's first ``SEALERS`` keys by join order, with values (a forged one must not take a place)."""
-    prefix = layout.round_prefix(round_no)
-    return RangeRead(prefix, prefix_end(prefix), limit=SEALERS, by_create=True)
+
+def seat_claim(client: EtcdClient, layout: Layout, round_no: int, record: NodeRecord, lease_id: int) -> Any:
+    """A nested transaction that takes the round's first free seat (``layout.seat_key``), if any: seat 0 if nobody
+    holds it, else seat 1, ..., on this node's lease, so a seat frees itself when its holder dies. On a signed run,
+    with every seat taken it reads them: a forged one must not keep a seat from the run's nodes."""
+    tx = client.raw.transactions
+    seats = layout.seats_of_round(round_no)
+    claim = RangeRead(seats, prefix_end(seats)).op() if layout.secret is not None else None
+    for seat in reversed(range(SEALERS)):
+        key = layout.seat_key(round_no, seat)
+        claim = etcdrpc.RequestOp(request_txn=txn_request(
+            [tx.create(key) == 0], [put_op(key, layout.encode(key, record), lease_id)], [claim] if claim else []
+        ))  # fmt: skip
+    return claim
+
+
+def seat_taken(response: Any) -> int:
+    """The seat a :func:`seat_claim` took (its response), or -1."""
+    for seat in range(SEALERS):
+        if response.succeeded:
+            return seat
+        if not response.responses:
+            break
+        response = response.responses[0].response_txn
+    return -1
+
+
+def _seats_read(response: Any) -> list[Any]:
+    """The seats a signed run's :func:`seat_claim` read when it found every one taken (its response)."""
+    for _ in range(SEALERS - 1):
+        response = response.responses[0].response_txn
+    return list(response.responses[0].response_range.kvs) if response.responses else []
 
 
 def try_join(
     client: EtcdClient, layout: Layout, round_no: int, record: NodeRecord, lease_id: int, leave: bytes | None
 ) -> Joined:
     """Write this node's key into ``round_no`` (deleting ``leave``, its key of an earlier round) in one transaction,
-    which also reads the round's first joiners: whether this node is one of its sealers (``among_sealers``).
+    which also takes a free sealer's seat of the round (:func:`seat_claim`): the first ``SEALERS`` joiners seal.
 
     On a signed run, a forged seal or ``closed`` that refused the write is deleted and the join tried again
     (``EtcdError`` if someone keeps writing them).
     """
     tx = client.raw.transactions
     key, seal_key = layout.node_key(round_no, record.node), layout.seal_key(round_no)
-    prefix = layout.round_prefix(round_no)
-    # How many keys the round holds with this one: counting costs etcd no read of their values. On a signed run
-    # the first joiners are read too: a forged key must not take a sealer's place (``among_sealers``).
-    success = [
-        put_op(key, layout.encode(key, record), lease_id),
-        RangeRead(prefix, prefix_end(prefix), count_only=True).op(),
-    ]
-    if layout.secret is not None:
-        success.append(first_joiners_read(layout, round_no).op())
+    success = [put_op(key, layout.encode(key, record), lease_id),
+               seat_claim(client, layout, round_no, record, lease_id)]  # fmt: skip
     if leave is not None and leave != key:
         success.insert(0, delete_op(leave))
     request = txn_request(
@@ -177,41 +207,30 @@ def try_join(
     for _ in range(_PURGES):
         response = client.txn(request, "joining the rendezvous round")
         if response.succeeded:
-            if layout.secret is None:  # every key counts: the first SEALERS joiners found at most SEALERS keys
-                sealer = response.responses[-1].response_range.count <= SEALERS
-            else:
-                sealer = among_sealers(client, layout, round_no, key, list(response.responses[-1].response_range.kvs))
-            return Joined(int(response.header.revision), sealer, None, None)
+            seat = seat_taken(response.responses[-1].response_txn)
+            if seat < 0 and layout.secret is not None:  # its seat watch sees the deletion, and it takes the seat
+                for kv in _seats_read(response.responses[-1].response_txn):
+                    delete_forged(client, layout, kv.key, kv.value)
+            return Joined(int(response.header.revision), seat, None, None)
         seals, closes = (r.response_range.kvs for r in response.responses)
         seal, closed = _value(seals), _value(closes)
         if not (delete_forged(client, layout, layout.closed, closed) or delete_forged(client, layout, seal_key, seal)):
-            return Joined(0, False, seal, closed, int(seals[0].mod_revision) if seals else 0)
+            return Joined(0, -1, seal, closed, int(seals[0].mod_revision) if seals else 0)
     raise EtcdError(
         f"Joining round {round_no} was refused {_PURGES} times by values that no agent of this signed run wrote; "
         "someone keeps writing them under the run's prefix. Restrict it with etcd's authentication."
     )
 
 
-def among_sealers(client: EtcdClient, layout: Layout, round_no: int, key: bytes, first: list[Any] | None) -> bool:
-    """Whether ``key`` is among the first ``SEALERS`` keys of the round (``first``: as just read, else read now).
-
-    Forged keys (a signed run's values that no agent wrote) take no place: they are deleted and the round read
-    again, so a writer without the secret cannot leave a round without anyone to seal it.
-    """
-    for _ in range(_PURGES):
-        if first is None:
-            _, [first] = client.read_ranges([first_joiners_read(layout, round_no)], "reading the first joiners")
-        forged = [kv for kv in first if layout.forgery(kv.key, kv.value) is not None]
-        valid = [kv.key for kv in first if kv not in forged]
-        if key in valid or not forged:
-            return key in valid
-        for kv in forged:
-            delete_forged(client, layout, kv.key, kv.value)
-        first = None
-    raise EtcdError(
-        f"Round {round_no}'s first places were taken {_PURGES} times by values that no agent of this signed run "
-        "wrote; someone keeps writing them under the run's prefix. Restrict it with etcd's authentication."
-    )
+def try_take_seat(client: EtcdClient, layout: Layout, round_no: int, record: NodeRecord, lease_id: int) -> int:
+    """A seat of unsealed ``round_no`` came free (its holder died, or a forged value in it was deleted): take it
+    while this node's key is still in the round; the seat taken, or -1 (taken by another, or sealed meanwhile)."""
+    tx = client.raw.transactions
+    key = layout.node_key(round_no, record.node)
+    request = txn_request([tx.version(key) > 0, tx.create(layout.seal_key(round_no)) == 0],
+                          [seat_claim(client, layout, round_no, record, lease_id)])  # fmt: skip
+    response = client.txn(request, "taking a sealer's seat")
+    return seat_taken(response.responses[0].response_txn) if response.succeeded else -1
 
 
 def _value(kvs: Any) -> bytes | None:
@@ -252,6 +271,8 @@ def try_seal(
     if view.round >= 2:  # seals and ranks older than the previous round are no longer read by anyone
         last.append(delete_op(layout.seals, layout.seal_key(view.round - 1)))
         last.append(delete_op(layout.ranks, layout.ranks_of_round(view.round - 1)))
+    if view.round >= 1:  # nor are the seats of earlier rounds (this round's: until its members' seal is seen)
+        last.append(delete_op(layout.seats, layout.seats_of_round(view.round)))
     for chunk in seal_chunks(ranks, last):
         if not client.txn(txn_request(compare, chunk), "sealing the rendezvous round").succeeded:
             return False
