@@ -358,12 +358,13 @@ ENDS = REPO / "tests" / "scripts" / "session_ends.py"
 ENDS_SETS = ("train.max_steps=6", "train.epochs=1", "train.log_every=1")
 
 
-def end_session(run_dir: Path, end: str, nproc: int = 2) -> tuple[int, str, float]:
+def end_session(run_dir: Path, end: str, nproc: int = 2, start: str = "cold") -> tuple[int, str, float]:
     """tests/scripts/session_ends.py ending as ``end``: (torchrun's exit status, its output, when it ended)."""
     import time
 
-    done = subprocess.run(script_cmd(ENDS, nproc, run_dir, ENDS_SETS, ()), cwd=REPO, capture_output=True, text=True,
-                          env=child_env(PYTHONPATH=paths(), SESSION_END=end), timeout=300)  # fmt: skip
+    done = subprocess.run(script_cmd(ENDS, nproc, run_dir, ENDS_SETS, (), start=start), cwd=REPO,
+                          capture_output=True, text=True, env=child_env(PYTHONPATH=paths(), SESSION_END=end),
+                          timeout=300)  # fmt: skip
     return done.returncode, done.stdout + done.stderr, time.time()
 
 
@@ -386,7 +387,7 @@ def test_a_break_on_every_rank_completes_there_its_rerun_trains_nothing_and_othe
                                                               "went_on": []}  # fmt: skip
     assert first["checkpoint"]["last"].endswith("step-00000003.pt")
 
-    code, output, _ = end_session(run, "with:break")
+    code, output, _ = end_session(run, "with:break", start="warm")  # the rerun: any start resumes
     again = read_summary(run)
     assert code == 0 and "this run completed at step 3: nothing to train" in output, output[-4000:]
     assert again["global_step"] == 3 and again["resumed_from"]["step"] == 3
