@@ -38,23 +38,12 @@ def hf_files(directory: Path) -> Path:
     return directory
 
 
-def start(kind: str, run: Path, sets: tuple[str, ...], *args: str, how: str = "cold",
-          **env: str) -> tuple[subprocess.Popen, LineWatcher]:  # fmt: skip
-    """The script under torchrun (cold, as its users run it: an interpreter's own end is what these tests check), or
-    with ``how="warm"`` under ``ddp-service launch --script`` (workers forked from the fork server: conftest.STARTS)
-    for a run that is no part of that."""
+def start(kind: str, run: Path, sets: tuple[str, ...], *args: str, **env: str) -> tuple[subprocess.Popen, LineWatcher]:
     (run / "out").mkdir(parents=True, exist_ok=True)
-    script_args = [kind, str(run / "out"), *args]
-    if how == "warm":
-        cmd = [sys.executable, "-m", "service", "launch", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-               "--script", str(SCRIPT)]  # fmt: skip
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
-               str(SCRIPT), *script_args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+           str(SCRIPT), kind, str(run / "out"), *args]  # fmt: skip
     for override in (*QUICK, f"run_dir={run / 'run'}", "train.log_every=1", "logging.all_ranks=true", *sets):
         cmd += ["--set", override]
-    if how == "warm":
-        cmd += ["--", *script_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     return proc, LineWatcher(proc)
@@ -165,7 +154,7 @@ def test_a_one_shot_stream_of_uneven_shards_ends_its_run_in_seconds_naming_what_
     assert "gave no batch in epoch 1" in output and "Make the stream's __iter__ start it afresh" in output
     assert [len(lines) for lines in traced(run).values()] == [4, 4]
 
-    proc, watcher = start("oneshot", run, sets, how="warm")  # the rerun: any start resumes
+    proc, watcher = start("oneshot", run, sets)
     code, _ = ended(proc, watcher, run, timeout=120)
     assert code == 0 and read_summary(run / "run")["global_step"] == 4, watcher.text()[-3000:]
     assert [len(lines) for lines in traced(run).values()] == [4, 4]
