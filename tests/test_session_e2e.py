@@ -42,8 +42,10 @@ def script_cmd(script: Path, nproc: int, run_dir: Path, sets: tuple[str, ...], a
                restarts: int = 0, start: str = "cold") -> list[str]:  # fmt: skip
     """``torchrun SCRIPT`` (cold: each worker a new interpreter), or with ``start="warm"`` ``ddp-service launch
     --script SCRIPT`` (the same agent, its workers forked from the fork server: conftest.STARTS), for the runs that
-    only give a test its reference."""
-    if start == "warm":
+    only give a test its reference; ``start="alone"``: ``python SCRIPT``, one process, a world of one (no agent)."""
+    if start == "alone" and nproc == 1 and not restarts:
+        cmd = [sys.executable, str(script)]
+    elif start == "warm":
         cmd = [sys.executable, "-m", "service", "launch", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
                "--script", str(script)]  # fmt: skip
     else:
@@ -274,14 +276,15 @@ def test_a_datasets_stream_with_two_workers_resumes_exactly_and_refuses_another_
     assert resumed["model_digest"] == straight["model_digest"], watcher.text()[-3000:] + output[-3000:]
 
     before = (tmp_path / "run" / "summary.json").read_bytes()
+    # The world of one: the script alone (python SCRIPT, no agent); the exit status is the worker's own.
     refused = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.num_workers=2"), args, pythonpath,
-                         expect=1)  # fmt: skip
+                         expect=2, start="alone")  # fmt: skip
     assert "position was saved at world size 2; this start has 1 ranks" in refused, refused[-3000:]
     assert "data.stream_resume=restart" in refused
-    assert worker_exits(refused) == [2] and "feeds.py" not in refused  # #35.1: bad input, no traceback
+    assert "feeds.py" not in refused  # #35.1: bad input (exit 2), no traceback
     assert (tmp_path / "run" / "summary.json").read_bytes() == before  # and the good run's summary stays
     restarted = run_script(script, 1, tmp_path / "run", ("train.max_steps=14", "data.stream_resume=restart"), args,
-                           pythonpath)  # fmt: skip
+                           pythonpath, start="alone")  # fmt: skip
     assert "it starts afresh (data.stream_resume=restart)" in restarted
     assert read_summary(tmp_path / "run")["global_step"] == 14
 
@@ -355,12 +358,13 @@ ENDS = REPO / "tests" / "scripts" / "session_ends.py"
 ENDS_SETS = ("train.max_steps=6", "train.epochs=1", "train.log_every=1")
 
 
-def end_session(run_dir: Path, end: str, nproc: int = 2) -> tuple[int, str, float]:
+def end_session(run_dir: Path, end: str, nproc: int = 2, start: str = "cold") -> tuple[int, str, float]:
     """tests/scripts/session_ends.py ending as ``end``: (torchrun's exit status, its output, when it ended)."""
     import time
 
-    done = subprocess.run(script_cmd(ENDS, nproc, run_dir, ENDS_SETS, ()), cwd=REPO, capture_output=True, text=True,
-                          env=child_env(PYTHONPATH=paths(), SESSION_END=end), timeout=300)  # fmt: skip
+    done = subprocess.run(script_cmd(ENDS, nproc, run_dir, ENDS_SETS, (), start=start), cwd=REPO,
+                          capture_output=True, text=True, env=child_env(PYTHONPATH=paths(), SESSION_END=end),
+                          timeout=300)  # fmt: skip
     return done.returncode, done.stdout + done.stderr, time.time()
 
 
@@ -383,7 +387,7 @@ def test_a_break_on_every_rank_completes_there_its_rerun_trains_nothing_and_othe
                                                               "went_on": []}  # fmt: skip
     assert first["checkpoint"]["last"].endswith("step-00000003.pt")
 
-    code, output, _ = end_session(run, "with:break")
+    code, output, _ = end_session(run, "with:break", start="warm")  # the rerun: any start resumes
     again = read_summary(run)
     assert code == 0 and "this run completed at step 3: nothing to train" in output, output[-4000:]
     assert again["global_step"] == 3 and again["resumed_from"]["step"] == 3
@@ -451,7 +455,7 @@ def signalled_then_rerun(script: Path, run_dir: Path, sets: tuple[str, ...], arg
     stopped = read_summary(run_dir)
     assert first.returncode != 0 and stopped["status"] == "preempted", (first.stdout + first.stderr)[-4000:]
     assert stopped["stopped_at_step"] >= at
-    output = run_script(script, 2, run_dir, sets, args, pythonpath)
+    output = run_script(script, 2, run_dir, sets, args, pythonpath, start="warm")  # the rerun: any start resumes
     return stopped, read_summary(run_dir), output
 
 
@@ -463,7 +467,7 @@ def test_s_epochs_takes_the_scripts_own_count_and_a_preempted_run_resumes_in_its
     1), a rerun that starts in the epoch it stopped in, at the stopped step, and the uninterrupted digest."""
     monkeypatch.setenv("SESSION_END", "with:epochs-3")
     sets = ("train.log_every=1",)
-    output = run_script(ENDS, 2, tmp_path / "straight", sets, (), paths())
+    output = run_script(ENDS, 2, tmp_path / "straight", sets, (), paths(), start="warm")  # the reference
     straight = read_summary(tmp_path / "straight")
     assert (straight["status"], straight["global_step"], straight["epochs_completed"]) == ("completed", 24, 3), output
     assert re.findall(r"rank 0: epoch (\d) at step (\d+)", output) == [("0", "0"), ("1", "8"), ("2", "16")]
