@@ -65,7 +65,7 @@ def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
         holder = worker_pids(first.pid)[0]
         run_id = environ_of(holder)["TORCHELASTIC_RUN_ID"]
         started = time.monotonic()
-        second = run_job(run_dir, 1, *job, expect_ok=False, timeout=90, start="alone")
+        second = run_job(run_dir, 1, *job, expect_ok=False, timeout=90)
         took = time.monotonic() - started
         assert second.returncode != 0
         for needle in ("RunDirLockedError", f"pid {holder} on host {socket.gethostname()!r}", f"run id {run_id!r}",

@@ -74,10 +74,8 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -
 
 
 def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str, start_as: str = "cold") -> dict:
-    """Start a job, SIGTERM its torchrun agent (``alone``: its one process) once a rank logs ``step``, and return the
-    summary it leaves."""
-    launcher = () if start_as == "alone" else ("--standalone",)
-    proc, watcher = start(run_dir, nproc, *overrides, launcher=launcher, start=start_as)
+    """Start a job, SIGTERM its torchrun agent once a rank logs ``step``, and return the summary it leaves."""
+    proc, watcher = start(run_dir, nproc, *overrides, start=start_as)
     try:
         watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
         proc.send_signal(signal.SIGTERM)
@@ -240,7 +238,7 @@ def test_b_resize_two_one_three_keeps_every_sample_once_and_the_global_batch(tmp
     )
     run_dir = tmp_path / "run"
     first = preempt_agent_at(run_dir, 2, 2, *job, start_as="warm")
-    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, "data.num_workers=2", start_as="alone")
+    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, "data.num_workers=2")
     steps_per_epoch = length // global_batch
     assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < steps_per_epoch  # two resizes in epoch 0
     assert second["resumed_from"]["step"] == first["stopped_at_step"]
