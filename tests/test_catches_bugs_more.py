@@ -245,7 +245,7 @@ def test_no_rank_reports_preempted_before_rank0_saved_that_step(tmp_path: Path) 
 
     run_dir = tmp_path / "run"
     proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=300", "train.epochs=100", "task_options.sleep=0.02",
-                          "task_options.slow_state_seconds=3", start="warm")  # fmt: skip
+                          "task_options.slow_state_seconds=3")  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=120)  # rank 1 took part in step 3's all-reduce
         proc.send_signal(signal.SIGTERM)
