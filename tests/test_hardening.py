@@ -117,7 +117,7 @@ def test_a_restart_of_the_same_job_after_its_rank0_was_killed_takes_the_lock_ove
     """SIGKILL of the lock holder (rank 0) under --max-restarts=1: the next attempt's rank 0 takes the lock over."""
     run_dir = tmp_path / "run"
     job = (*SLOW, "train.max_steps=16", "train.epochs=10", "checkpoint.every_steps=4", "task_options.sleep=0.04")
-    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
+    proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"), start="warm")
     try:
         watcher.wait_for(r"checkpoint saved: .*step-00000004\.pt", timeout=120)
         os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
@@ -138,7 +138,7 @@ def test_a_job_whose_lock_is_deleted_or_taken_stops_every_rank_at_one_step_and_w
     """Issue 15, point 7: `rm run/.lock` (or another job's lock in its place) during training stops the job."""
     run_dir = tmp_path / "run"
     job = (*SLOW, "train.max_steps=400", "train.epochs=100", "checkpoint.every_steps=1", "task_options.sleep=0.05")
-    proc, watcher = start(run_dir, 2, *job)
+    proc, watcher = start(run_dir, 2, *job, start="warm")
     lock, other = run_dir / LOCK_NAME, {"host": "node9", "pid": 4242, "run_id": "other-job", "started": time.time()}
     try:
         watcher.wait_for(r"checkpoint saved: .*step-00000003\.pt", timeout=120)

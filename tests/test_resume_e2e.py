@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
-from procs import _children_map, worker_pids
+from procs import worker_pids
 
 from service.data.sampler import permutation
 
@@ -100,13 +100,14 @@ def run_and_exit_within(run_dir: Path, nproc: int, *overrides: str, done: str, w
     return watcher
 
 
-def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, within: float = 30) -> dict:
+def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, within: float = 30,
+                      start_as: str = "cold") -> dict:  # fmt: skip
     """As :func:`preempt_agent_at`, the SIGTERM to local rank 1's trainer alone (not its loader workers): the agent
     waits for its workers to leave by themselves, and they must, within ``within`` s of their stop."""
-    proc, watcher = start(run_dir, nproc, *overrides)
+    proc, watcher = start(run_dir, nproc, *overrides, start=start_as)
     try:
         watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
-        os.kill(next(pid for pid in _children_map().get(proc.pid, []) if _local_rank(pid) == 1), signal.SIGTERM)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)  # the trainer (cold or forked), not a loader worker
         assert finish(proc, watcher) != 0  # a worker exited 75
         exited = time.monotonic()
     finally:
@@ -118,20 +119,25 @@ def preempt_worker_at(run_dir: Path, nproc: int, step: int, *overrides: str, wit
     return summary
 
 
-def _local_rank(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    found = [int(item.split(b"=", 1)[1]) for item in environ if item.startswith(b"LOCAL_RANK=")]
-    return found[0] if found else None
-
-
 def manifest_steps(run_dir: Path) -> list[int]:
     return sorted(json.loads(path.read_text())["step"] for path in (run_dir / "checkpoints").glob("step-*.json"))
 
 
-def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
+# The killed-worker tests (a, b): 24 steps at 2 ranks with dropout (the step's randomness must replay too).
+KILLED = (*SLOW, "train.max_steps=24", "train.epochs=10", "task_options.sleep=0.04", "task_options.dropout=0.2")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The summary of the uninterrupted run both killed-worker tests end as (one warm run for the module): no save
+    but the end's, so a killed job that saves, asynchronously or to memory, must also end with the weights of a job
+    that never saved."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    run_job(run_dir, 2, *KILLED, "checkpoint.every_steps=1000", start="warm")
+    return read_summary(run_dir)
+
+
+def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path, straight):
     """SIGKILL of one worker after a checkpoint, under --max-restarts: the final weights match an uninterrupted run.
 
     Periodic saves are asynchronous and the model has dropout, so this also
@@ -139,11 +145,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
     Also the old regression: restarted workers must not read the previous
     attempt's gloo addresses from the agent's store ("connectFullMesh").
     """
-    job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=6", "task_options.sleep=0.04",
-           "task_options.dropout=0.2", "checkpoint.async=true", "checkpoint.snapshot_every=0")  # fmt: skip
-    run_job(tmp_path / "straight", 2, *job, start="warm")  # the reference; the killed run's restart is cold
-    straight = read_summary(tmp_path / "straight")
-
+    job = (*KILLED, "checkpoint.every_steps=6", "checkpoint.async=true", "checkpoint.snapshot_every=0")
     run_dir = tmp_path / "killed"
     proc, watcher = start(run_dir, 2, *job, launcher=("--standalone", "--max-restarts=1"))
     try:
@@ -169,16 +171,12 @@ def test_a_killed_worker_resumes_from_the_checkpoint_bit_exact(tmp_path):
 
 
 @pytest.mark.parametrize("load", [False, True], ids=["idle", "busy"])
-def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(tmp_path, cpu_burner, load):
+def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(tmp_path, request, cpu_burner, load):
     """SIGKILL of one worker under --standalone with no disk checkpoint but the end (every_steps=1000), at step 12,
     after ``auto`` agreed on its interval: the group resumes from the node's in-memory snapshot at most one step
     behind (the shapes model's snapshot is small: every step), and ends with an uninterrupted run's weights (dropout:
     the step's randomness replays too). ``busy``: a process burns one core meanwhile."""
-    job = (*SLOW, "train.max_steps=24", "train.epochs=10", "checkpoint.every_steps=1000", "task_options.sleep=0.04",
-           "task_options.dropout=0.2")  # fmt: skip
-    straight_dir = tmp_path / "straight"
-    if not load:
-        run_job(straight_dir, 2, *job, start="warm")  # the reference
+    job = (*KILLED, "checkpoint.every_steps=1000")
     run_dir = tmp_path / "killed"
     if load:
         cpu_burner()
@@ -209,8 +207,8 @@ def test_b_a_killed_worker_resumes_from_the_snapshot_of_its_last_step_bit_exact(
     assert int(agreed[0][1]) == 8 and int(agreed[-1][1]) == resumed["step"] + 8, agreed
     assert summary["snapshots"]["every"] == 1, summary["snapshots"]
     assert summary["snapshots"]["intervals"] == [{"from_step": resumed["step"] + 3, "every": 1}], summary["snapshots"]
-    if not load:
-        straight = read_summary(straight_dir)
+    if not load:  # the reference: the module's uninterrupted run (this job's config)
+        straight = request.getfixturevalue("straight")
         assert summary["model_digest"] == straight["model_digest"]
         assert summary["samples_seen"] == straight["samples_seen"]
     assert not Path(resumed["file"]).parent.exists()  # the completed job's snapshot area is gone
@@ -292,7 +290,7 @@ def test_c_preempted_agent_checkpoints_that_step_and_a_rerun_is_bit_identical(tm
     straight = read_summary(tmp_path / "straight")
 
     run_dir = tmp_path / "run"
-    preempted = preempt_worker_at(run_dir, 3, 5, *job)
+    preempted = preempt_worker_at(run_dir, 3, 5, *job, start_as="warm")
     stopped = preempted["stopped_at_step"]
     assert 5 <= stopped < 16 and manifest_steps(run_dir) == [stopped]  # only the preemption save exists
     resumed_lrs = learning_rates(run_job(run_dir, 3, *job, start="warm").stdout)

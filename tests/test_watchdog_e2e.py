@@ -139,7 +139,7 @@ def test_a_one_off_data_stall_is_reported_not_a_hang(tmp_path):
     dist.data_timeout_seconds; the job completes. It used to kill a healthy job."""
     done = run_job(tmp_path / "run", 2, *SLOW, "train.max_steps=12", "train.epochs=10", "task_options.sleep=0.02",
                    "train.batch_size=4", "task_options.stall_at=30", "task_options.stall_seconds=8",
-                   f"dist.hang_timeout_seconds={HANG_TIMEOUT}", timeout=150, expect_ok=False)  # fmt: skip
+                   f"dist.hang_timeout_seconds={HANG_TIMEOUT}", timeout=150, expect_ok=False, start="warm")  # fmt: skip
     text = done.stdout
     assert done.returncode == 0 and read_summary(tmp_path / "run")["status"] == "completed", text[-4000:]
     assert "data stall begins" in text and "ERROR hang" not in text
