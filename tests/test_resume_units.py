@@ -957,6 +957,31 @@ def test_a_check_soon_after_another_times_the_steps_between_them_not_the_agreed_
         watch.close()
 
 
+def test_a_quick_evaluation_after_a_check_does_not_put_the_next_check_steps_away():
+    """Steps of 0.3 s check at every boundary; an evaluation of 5 ms right after a check used to be timed as a step
+    of 5 ms, so it proposed 20 steps to the next check, and a SIGTERM during those (a world of one in the resize
+    test, now and then) let the run complete instead of stopping at the next boundary."""
+    from service.state.preemption import Preemption
+
+    now, proposals = [0.0], []
+
+    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
+        proposals.append(proposal)
+        return lambda: (local, proposal)
+
+    watch = Preemption(agree, interval=0.1, clock=lambda: now[0], signals=())
+    try:
+        now[0] += 0.3
+        assert watch.stop_now() is None and proposals == [1]
+        now[0] += 0.005  # a quick evaluation
+        assert watch.stop_here() is None and proposals[-1] == 1
+        watch.received = "SIGTERM"
+        now[0] += 0.3
+        assert watch.stop_now() == "preempted"
+    finally:
+        watch.close()
+
+
 def test_a_check_in_flight_is_read_before_stop_heres_own_and_by_settle():
     """A check that short steps left in flight is read, in the order started, before an evaluation's agreement (which
     waits at once) and at the run's end; its stop wins there, on every rank alike."""

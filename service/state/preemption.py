@@ -215,8 +215,12 @@ class Preemption:
         # Over the steps since the last check (none: start-up or an evaluation, timed as one step), not over the
         # agreed interval: an evaluation's check a few steps after the last would otherwise see them as short steps.
         step_seconds = max((now - self._last_check) / max(self._steps, 1), 1e-6)
+        # No step since the last check (start-up, or an evaluation right after a check): the time since is no step's,
+        # and a quick evaluation would look like a short step and put the next check many long steps away, past a
+        # signal that comes meanwhile. The next boundary checks again and times real steps.
+        short = self._steps == 0 and now - self._last_check < self.interval
         self._last_check, self._steps = now, 0
-        proposal = max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
+        proposal = 1 if short else max(1, min(MAX_STEPS_BETWEEN_CHECKS, math.ceil(self.interval / step_seconds)))
         code = 2 if self.lock_lost is not None else 1 if self.requested else 0
         self._pending = self.agree(code, proposal)
         return self._read_pending() if wait else None
