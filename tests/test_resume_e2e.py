@@ -20,6 +20,7 @@ from conftest import REPO, child_env, kill_group, read_summary, run_job, torchru
 from procs import worker_pids
 
 from service.data.sampler import permutation
+from service.state.preemption import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.e2e
 
@@ -74,12 +75,18 @@ def finish(proc: subprocess.Popen, watcher: LineWatcher, timeout: float = 120) -
 
 
 def preempt_agent_at(run_dir: Path, nproc: int, step: int, *overrides: str, start_as: str = "cold") -> dict:
-    """Start a job, SIGTERM its torchrun agent once a rank logs ``step``, and return the summary it leaves."""
-    proc, watcher = start(run_dir, nproc, *overrides, start=start_as)
+    """Start a job, SIGTERM its torchrun agent (``start_as="alone"``: the lone trainer, no agent) once a rank logs
+    ``step``, and return the summary it leaves."""
+    alone = start_as == "alone"
+    proc, watcher = start(run_dir, nproc, *overrides, launcher=() if alone else ("--standalone",), start=start_as)
     try:
         watcher.wait_for(rf"\[rank \d\] INFO step {step}/", timeout=120)
         proc.send_signal(signal.SIGTERM)
-        assert finish(proc, watcher) != 0  # torchrun re-raises the signal it was stopped by
+        code = finish(proc, watcher)
+        if alone:  # the trainer's own exit status
+            assert code == EXIT_PREEMPTED, watcher.text()[-3000:]
+        else:
+            assert code != 0  # torchrun re-raises the signal it was stopped by
     finally:
         kill_group(proc)
     summary = read_summary(run_dir)

@@ -8,14 +8,13 @@ import collections
 import dataclasses
 import json
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, child_env, kill_group, read_summary, run_job, torchrun_cmd
+from conftest import REPO, child_env, read_summary, run_job
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -183,26 +182,6 @@ def re_steps(output: str) -> list[str]:
     return re.findall(r"\[rank 0\] INFO eval epoch \d+ step (\d+) loss [\d.]+ accuracy [\d.]+", output)
 
 
-def preempt_alone_at(run_dir: Path, step: int, *overrides: str) -> dict:
-    """As test_resume_e2e.preempt_agent_at, for a world of one without a launcher (``python -m service train``, no
-    torchrun agent to import torch too): SIGTERM to the trainer once it logs ``step``; the summary it leaves."""
-    from test_resume_e2e import finish, watch
-
-    from service.state.preemption import EXIT_PREEMPTED
-
-    proc, watcher = watch(torchrun_cmd(1, f"run_dir={run_dir}", *overrides, start="alone"))
-    try:
-        watcher.wait_for(rf"\[rank 0\] INFO step {step}/", timeout=120)
-        proc.send_signal(signal.SIGTERM)
-        assert finish(proc, watcher) == EXIT_PREEMPTED, watcher.text()[-3000:]
-    finally:
-        kill_group(proc)
-    summary = read_summary(run_dir)
-    assert summary["status"] == "preempted", watcher.text()[-3000:]
-    assert f"preempted: stopped at step {summary['stopped_at_step']}" in watcher.text()
-    return summary
-
-
 @pytest.mark.e2e
 def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_once(tmp_path: Path) -> None:
     """dict_lm (dict batches, step_fn, its own AdamW groups and StepLR): SIGTERM at 2 ranks, at 1 (a world of one
@@ -215,7 +194,7 @@ def test_dict_batches_and_own_optimizer_resize_two_one_three_with_every_sample_o
            "train.log_every=1", "checkpoint.every_steps=2", "data.trace=true")  # fmt: skip
     run_dir = tmp_path / "run"
     first = preempt_agent_at(run_dir, 2, 1, *job, start_as="warm")
-    second = preempt_alone_at(run_dir, first["stopped_at_step"] + 1, *job)
+    second = preempt_agent_at(run_dir, 1, first["stopped_at_step"] + 1, *job, start_as="alone")
     assert 0 < first["stopped_at_step"] < second["stopped_at_step"] < epochs * length // global_batch
     assert second["resumed_from"]["step"] == first["stopped_at_step"] and manifest_steps(run_dir)
     run_job(run_dir, 3, *job, start="warm")
