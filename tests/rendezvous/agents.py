@@ -60,35 +60,26 @@ def train_args(run_dir: Path, max_steps: int, *extra: str) -> list[str]:
     ]
 
 
-_GATED = """
+# An agent that does its imports, then waits for the gate file before it starts: ``{imports}`` and ``{run}``
+# make it torchrun's agent, or (warm) `ddp-service launch`'s, whose fork server starts after the gate and imports
+# torch while the agent rendezvouses; its worker command is the one `python -m service launch` gives torchrun, so
+# it joins the same job (its identity).
+_GATE = """
 import os, sys, time
-from torch.distributed import run
+{imports}
 gate = sys.argv[1]
 print("gated agent ready", flush=True)
 deadline = time.monotonic() + 300
 while not os.path.exists(gate) and time.monotonic() < deadline:
     time.sleep(0.02)
-sys.argv = ["torchrun", *sys.argv[2:]]
-run.main(sys.argv[1:])
+{run}
 """
-
-
-# The same gate before `ddp-service launch` (a warm agent: its workers forked from a fork server). Its imports come
-# first too; the fork server starts after the gate and imports torch while the agent rendezvouses. The agent's
-# worker command is the one `python -m service launch` gives torchrun, so it joins the same job (its identity).
-_GATED_WARM = """
-import os, sys, time
-gate = sys.argv[1]
-import torch.distributed.run
-import service.cli, service.ops.launcher
-print("gated agent ready", flush=True)
-deadline = time.monotonic() + 300
-while not os.path.exists(gate) and time.monotonic() < deadline:
-    time.sleep(0.02)
-sys.argv = ["ddp-service", "launch", *sys.argv[2:]]
-from service.entry import main
-main()
-"""
+_GATED = _GATE.format(imports="from torch.distributed import run",
+                      run='sys.argv = ["torchrun", *sys.argv[2:]]\nrun.main(sys.argv[1:])')  # fmt: skip
+_GATED_WARM = _GATE.format(
+    imports="import torch.distributed.run\nimport service.cli, service.ops.launcher",
+    run='sys.argv = ["ddp-service", "launch", *sys.argv[2:]]\nfrom service.entry import main\nmain()',
+)
 
 
 class Agent:
