@@ -319,7 +319,7 @@ def test_a_warm_restart_resumes_bit_exact_and_fork_server_workers_die_with_their
     job = ("task=import_probe_tasks:slow_shapes", "task_options.sleep=0.04", "task_options.image_size=16",
            "task_options.dropout=0.2", "train.max_steps=40", "train.epochs=10", "train.log_every=1",
            "checkpoint.every_steps=1000")  # fmt: skip
-    run_job(tmp_path / "straight", 2, *job)
+    run_job(tmp_path / "straight", 2, *job, start="warm")  # the reference: an uninterrupted launch
     straight = read_summary(tmp_path / "straight")
     sets = [item for override in (*job, f"run_dir={tmp_path / 'run'}") for item in ("--set", override)]
     # OMP_NUM_THREADS unset, as in a user's shell: torchrun sets it to 1 for two processes per node after the fork
@@ -622,21 +622,23 @@ def wait_for_handler(proc: subprocess.Popen, timeout: float = 30.0) -> float:
 
 
 @pytest.mark.e2e
-def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path, cpu_burner):
-    """#24.11: SIGTERM at a random moment of the first 5 s of `ddp-service launch`, a CPU burner beside it and five
-    launches at a time, 30 tries (6 rounds: each waits for its last signal and end, so 5 at a time is quicker than
-    10 rounds of 3, and loads the machine more). Each must end 75 (preempted), or 0 only where the job completed
-    before the signal.
+def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path):
+    """#24.11: SIGTERM at a random moment of the first 5 s of `ddp-service launch`, six launches at a time on this
+    2-core machine, 30 tries (5 rounds: each waits for its last signal and end). Each must end 75 (preempted), or 0
+    only where the job completed before the signal.
     Once, at load 8 on 2 cores, a SIGTERM 1 s in was not honoured (exit 0, trained to the end): launch's handler
     raises to leave what it waits in, and a raise can be swallowed on its way up (an ``except Exception`` in library
     code, a ``__del__``); the signal is now also recorded, checked before the agent starts, and sent again once the
-    agent handles signals itself."""
-    cpu_burner()
+    agent handles signals itself.
+    The load is the launches themselves: six importing torch at once (and the suite's other worker) stretch a start
+    as five beside a CPU burner did (torch's import and the config end 3.8-4.4 s after the first line either way,
+    so 25-26 of the 30 signals land in them and the rest in the fork server's and the agent's start, measured
+    2026-12-04), without a process that burns a core for the whole test (12 s of CPU of the test's 60)."""
     rng = random.Random(2411)
     codes: list[int] = []
-    for batch in range(6):
+    for batch in range(5):
         runs = []
-        for index in range(5):
+        for index in range(6):
             run_dir = tmp_path / f"run{batch}-{index}"
             proc, watcher = start("--nproc-per-node=1", "--set", f"run_dir={run_dir}", "--set", "train.max_steps=3",
                                   "--set", "task_options.image_size=16", "--set", "metrics.goodput=false")  # fmt: skip
@@ -655,7 +657,7 @@ def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path, cpu
         for index, (proc, watcher, run_dir, _) in enumerate(runs):
             code = finish(proc, watcher)
             codes.append(code)
-            where = f"try {5 * batch + index}: exit {code}:\n{watcher.text()[-3000:]}"
+            where = f"try {6 * batch + index}: exit {code}:\n{watcher.text()[-3000:]}"
             if code == 0:
                 summary = run_dir / "summary.json"
                 assert json.loads(summary.read_text())["status"] == "completed", where
@@ -669,12 +671,12 @@ def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path, cpu
 def test_sigterm_while_a_resuming_worker_starts_up_ends_preempted_at_the_resumed_step(tmp_path):
     """Issue 15, finding 5: the agent is signalled while its worker is in start-up, before the process group (held
     there on purpose: the run_dir lock of this same run id on another host, as after a lost node). The worker must
-    keep the signal, resume, and stop preempted at the resumed step with exit 75, not die of it."""
+    keep the signal, resume, and stop preempted at the resumed step with exit 75, not die of it. (The checkpoint it
+    resumes from is trained alone, a world of one without an agent: a run of the same config.)"""
     run_dir = tmp_path / "run"
+    run_job(run_dir, 1, "task_options.image_size=16", "train.max_steps=3", start="alone")
     args = ("--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--rdzv-id=lock-held", "--set", f"run_dir={run_dir}", "--set", "task_options.image_size=16")  # fmt: skip
-    proc, watcher = start(*args, "--set", "train.max_steps=3")
-    assert finish(proc, watcher) == 0, watcher.text()[-4000:]
 
     lock = run_dir / ".lock"
     lock.write_text(json.dumps({"host": "another-node.invalid", "pid": 1, "pid_start": None,

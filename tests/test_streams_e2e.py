@@ -6,6 +6,11 @@ workers a rank: every run exits within seconds of its last step, completed or pr
 ignore SIGTERM, and Python's exit used to wait on them for good); the ``datasets`` stream trains every sample of its
 epoch (2 workers used to read half of it); a one-shot stream of uneven shards ends its run in seconds, saying what
 its uneven epoch left untrained.
+
+One run (the endless stream cut by max_steps) starts the script as its users do, under plain torchrun, each worker
+a new interpreter whose own finalization joins the loader's workers (``start="cold"``); the others go through
+``ddp-service launch --script`` (``"warm"``: the same torchrun agent, its workers forked from a fork server that
+imported torch once, each ending as a program does, multiprocessing's join of its loader's workers included).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import QUICK, REPO, child_env, kill_group, read_summary
-from procs import _children_map
+from procs import worker_pids
 from test_resume_e2e import LineWatcher, finish
 
 pytestmark = pytest.mark.e2e
@@ -38,12 +43,19 @@ def hf_files(directory: Path) -> Path:
     return directory
 
 
-def start(kind: str, run: Path, sets: tuple[str, ...], *args: str, **env: str) -> tuple[subprocess.Popen, LineWatcher]:
+def script(kind: str, run: Path, sets: tuple[str, ...], *args: str, start: str = "cold",
+          **env: str) -> tuple[subprocess.Popen, LineWatcher]:  # fmt: skip
+    """The script at 2 processes, ``start`` ``"cold"`` (plain torchrun) or ``"warm"`` (``ddp-service launch
+    --script``, its workers forked from the fork server: conftest.STARTS)."""
     (run / "out").mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
-           str(SCRIPT), kind, str(run / "out"), *args]  # fmt: skip
+    if start == "warm":
+        cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--max-restarts=0"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0"]
     for override in (*QUICK, f"run_dir={run / 'run'}", "train.log_every=1", "logging.all_ranks=true", *sets):
         cmd += ["--set", override]
+    cmd += ["--script", str(SCRIPT), "--"] if start == "warm" else [str(SCRIPT)]
+    cmd += [kind, str(run / "out"), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     return proc, LineWatcher(proc)
@@ -65,20 +77,12 @@ def ended(proc: subprocess.Popen, watcher: LineWatcher, run: Path, timeout: floa
     return code, exited - last
 
 
-def rank_pid(agent: int, local_rank: int) -> int:
-    """The worker of ``local_rank`` that torchrun started (its loader workers have the same environment)."""
-    for pid in _children_map().get(agent, []):
-        if f"LOCAL_RANK={local_rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            return pid
-    raise AssertionError(f"no worker of local rank {local_rank} under {agent}")
-
-
-def preempted(kind: str, run: Path, sets: tuple[str, ...], *args: str) -> tuple[int, float]:
+def preempted(kind: str, run: Path, sets: tuple[str, ...], *args: str, start: str = "cold") -> tuple[int, float]:
     """SIGTERM to rank 1's worker once rank 0 logged step 3 (steps slowed to 0.3 s), then to the end."""
-    proc, watcher = start(kind, run, sets, *args, STEP_SLEEP="0.3")
+    proc, watcher = script(kind, run, sets, *args, start=start, STEP_SLEEP="0.3")
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 3/", timeout=180)
-        os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)  # not a loader worker: the first started of local rank 1
     except BaseException:
         kill_group(proc)
         raise
@@ -88,13 +92,19 @@ def preempted(kind: str, run: Path, sets: tuple[str, ...], *args: str) -> tuple[
 def test_streams_with_loader_workers_exit_in_seconds_and_a_datasets_stream_trains_its_whole_epoch(tmp_path):
     """2 processes x 2 loader workers: a ``datasets`` stream's epoch (128 samples, 16 steps), completed, trains each
     sample once; an endless stream stopped by max_steps, completed; each of them preempted: every run exits within
-    30 s of its last step, its summary written."""
+    30 s of its last step, its summary written.
+
+    The endless stream cut by max_steps runs as its users start it (plain torchrun: each worker an interpreter that
+    ends in Python's own finalization, where multiprocessing joins the loader's workers); the three others under
+    ``ddp-service launch --script`` (forked workers that end as a program does), which holds the same join."""
     data = hf_files(tmp_path / "data")
     workers = ("data.num_workers=2",)
-    for kind, sets, args in (("hf", ("train.epochs=1", "train.max_steps=1000"), (str(data),)),
-                             ("endless", ("train.max_steps=12",), ())):  # fmt: skip
+    for kind, sets, args, (completed, stopped) in (
+        ("hf", ("train.epochs=1", "train.max_steps=1000"), (str(data),), ("warm", "warm")),
+        ("endless", ("train.max_steps=12",), (), ("cold", "warm")),
+    ):
         run = tmp_path / f"{kind}-completed"
-        proc, watcher = start(kind, run, (*workers, *sets), *args)
+        proc, watcher = script(kind, run, (*workers, *sets), *args, start=completed)
         code, after = ended(proc, watcher, run)
         assert code == 0, watcher.text()[-4000:]
         assert after < 30, (after, watcher.text()[-3000:])
@@ -109,7 +119,7 @@ def test_streams_with_loader_workers_exit_in_seconds_and_a_datasets_stream_train
             assert summary["global_step"] == 12
 
         run = tmp_path / f"{kind}-preempted"
-        code, after = preempted(kind, run, (*workers, *sets), *args)
+        code, after = preempted(kind, run, (*workers, *sets), *args, start=stopped)
         summary = read_summary(run / "run")
         assert code != 0 and after < 30, (code, after, summary)
         assert summary["status"] == "preempted" and summary["stopped_at_step"] >= 3, summary
@@ -121,7 +131,8 @@ def test_a_streams_state_that_could_not_be_loaded_back_is_refused_before_any_sav
     is written (one used to be written, that every resume then refused). The failed run, 2 loader workers a rank,
     exits within 30 s of its step."""
     run = tmp_path / "unloadable"
-    proc, watcher = start("unloadable", run, ("train.max_steps=6", "checkpoint.every_steps=1", "data.num_workers=2"))
+    proc, watcher = script("unloadable", run, ("train.max_steps=6", "checkpoint.every_steps=1", "data.num_workers=2"),
+                           start="warm")  # fmt: skip
     code, after = ended(proc, watcher, run, timeout=120)
     output = watcher.text()
     assert code != 0 and after < 30, (code, after, output[-4000:])
@@ -137,11 +148,12 @@ def test_a_one_shot_stream_of_uneven_shards_ends_its_run_in_seconds_naming_what_
     """Each rank's own generator, read once (shard=False), rank 0 with 16 batches and rank 1 with 4: epoch 0 ends
     at step 4 for both, saying once that rank 0 had 12 batches left (summary.json counts them); epoch 1 finds the
     stream used up, and the run ends there (completed, with why and the fix), in seconds, where it used to spin
-    on empty epochs for 10 minutes. A rerun trains nothing more."""
+    on empty epochs for 10 minutes. A rerun trains nothing more. (The session's own logic, not a process's end: both
+    runs under ``ddp-service launch --script``.)"""
     run = tmp_path / "oneshot"
     sets = ("train.epochs=3", "train.max_steps=1000")
     started = time.monotonic()
-    proc, watcher = start("oneshot", run, sets)
+    proc, watcher = script("oneshot", run, sets, start="warm")
     code, _ = ended(proc, watcher, run, timeout=120)
     output = watcher.text()
     assert code == 0 and time.monotonic() - started < 60, output[-4000:]
@@ -154,7 +166,7 @@ def test_a_one_shot_stream_of_uneven_shards_ends_its_run_in_seconds_naming_what_
     assert "gave no batch in epoch 1" in output and "Make the stream's __iter__ start it afresh" in output
     assert [len(lines) for lines in traced(run).values()] == [4, 4]
 
-    proc, watcher = start("oneshot", run, sets)
+    proc, watcher = script("oneshot", run, sets, start="warm")
     code, _ = ended(proc, watcher, run, timeout=120)
     assert code == 0 and read_summary(run / "run")["global_step"] == 4, watcher.text()[-3000:]
     assert [len(lines) for lines in traced(run).values()] == [4, 4]
