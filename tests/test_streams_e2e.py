@@ -48,14 +48,17 @@ def script(kind: str, run: Path, sets: tuple[str, ...], *args: str, start: str =
     """The script at 2 processes, ``start`` ``"cold"`` (plain torchrun) or ``"warm"`` (``ddp-service launch
     --script``, its workers forked from the fork server: conftest.STARTS)."""
     (run / "out").mkdir(parents=True, exist_ok=True)
-    if start == "warm":
+    own = [kind, str(run / "out"), *args]  # the script's own arguments
+    if start == "warm":  # launch's options (its --set items reach the script), then the script and its arguments
         cmd = [sys.executable, "-m", "service", "launch", "--nproc-per-node=2", "--max-restarts=0"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0"]
+        tail = ["--script", str(SCRIPT), "--", *own]
+    else:  # torchrun's options, then the script, its arguments and the --set items it reads itself
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+               str(SCRIPT), *own]  # fmt: skip
+        tail = []
     for override in (*QUICK, f"run_dir={run / 'run'}", "train.log_every=1", "logging.all_ranks=true", *sets):
         cmd += ["--set", override]
-    cmd += ["--script", str(SCRIPT), "--"] if start == "warm" else [str(SCRIPT)]
-    cmd += [kind, str(run / "out"), *args]
+    cmd += tail
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     return proc, LineWatcher(proc)
