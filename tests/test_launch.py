@@ -633,7 +633,7 @@ def test_a_sigterm_at_any_moment_of_a_start_under_load_is_honoured(tmp_path):
     The load is the launches themselves: six importing torch at once (and the suite's other worker) stretch a start
     as five beside a CPU burner did (torch's import and the config end 3.8-4.5 s after the first line either way,
     so 25-27 of the 30 signals land in them and the rest in the fork server's and the agent's start, measured
-    2026-12-04), without a process that burns a core for the whole test (11.5 s of CPU of the test's 60)."""
+    2026-12-04), without a process that burns a core for the whole test (7-12 s of CPU of the test's 58-60 s)."""
     rng = random.Random(2411)
     codes: list[int] = []
     for batch in range(5):
