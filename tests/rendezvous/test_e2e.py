@@ -136,7 +136,7 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     the same global batch (test_a_survivor_of_a_lost_node_resumes_from_its_snapshot: with them)."""
     run_dir = tmp_path / "run"
     # 32 samples a step: 1 micro-step of 8 on each of 4 ranks, then 2 on each of 2; 8 steps an epoch.
-    job = train_args(run_dir, 30, *fixed_batch(32, 8, 256, every_steps=5), "--set", "checkpoint.snapshot_every=0")
+    job = train_args(run_dir, 20, *fixed_batch(32, 8, 256, every_steps=5), "--set", "checkpoint.snapshot_every=0")
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job)
     a.wait_for(r"\[rank [0-3]\] INFO step 2/", 120)
@@ -148,12 +148,12 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     victim, survivor, killed_at = kill_rank0_node(a, b)
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["world_size"] == 2 and result["global_step"] == 30
+    assert result["world_size"] == 2 and result["global_step"] == 20
     # The workers restarted: after their failure (counted in restarts), or because the native handler's watch saw
     # the node's key vanish first (a membership change, which torch does not count as a restart).
     assert result["restarts"] >= 1 or "Detected 1 new nodes" in survivor.log(), result
     assert result["status"] == "completed" and result["stopped_at_step"] is None
-    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (32, 2, 30 * 32), result
+    assert (result["global_batch_size"], result["grad_accum"], result["samples_seen"]) == (32, 2, 20 * 32), result
     # Resumed from the newest checkpoint saved before the kill (one more may have landed in its last moment).
     saved = [int(step) for step in SAVED_LINE.findall(victim.log())]
     trained = rank_steps([victim])
@@ -163,7 +163,7 @@ def test_b_survivor_of_a_lost_node_finishes_as_a_world_of_two(
     assert resumed["file"].endswith(f"step-{resumed['step']:08d}.pt") and resumed["source"] == "disk"
     assert resumed_steps(survivor) == [resumed["step"]], logs(survivor)
     # The world of 2 went on from the step after the checkpoint: steps in between were redone, none skipped.
-    assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 31)), logs(survivor)
+    assert rank_steps([survivor]) == list(range(resumed["step"] + 1, 21)), logs(survivor)
     recovery, parts = recovery_seconds(survivor, killed_at), recovery_parts(survivor, killed_at)
     assert recovery is not None and parts, logs(survivor)
     print(
@@ -216,7 +216,8 @@ def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
     every sample is trained once per epoch. ``busy``: a process burns one of the two cores from the world's first
     step to the survivor's first resumed step (the snapshots before the loss, the loss and the recovery)."""
     run_dir = tmp_path / "run"
-    job = train_args(run_dir, 24, *fixed_batch(32, 8, 128, every_steps=1000), *slow_task(0.03), "--set",
+    # 4 steps an epoch: the node is lost in epoch 1 (step 6), the world of 2 trains epochs 2 and 3.
+    job = train_args(run_dir, 16, *fixed_batch(32, 8, 128, every_steps=1000), *slow_task(0.03), "--set",
                      "data.trace=true", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 2, job, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 2, job, warm=True)
@@ -230,14 +231,14 @@ def test_a_survivor_of_a_lost_node_resumes_from_its_snapshot(
         survivor.wait_for(r"(?s)\[rank 0\] INFO resuming from .*\[rank 0\] INFO step \d+/", 120)
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (2, 24), result
+    assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (2, 16), result
     resumed = result["resumed_from"]
     assert resumed["source"] == "snapshot" and resumed["peer"] is None, resumed
     # (one more: the survivors' ranks may finish a step whose all-reduce rank 0 joined before it died, unlogged)
     assert completed - 1 <= resumed["step"] <= completed + 1, (resumed, completed)
     assert not any((run_dir / "checkpoints").glob("step-0000000[1-9].pt")), "no disk checkpoint but the last"
     trace = [line for line in read_trace(run_dir) if line["world_size"] == 2 or line["step"] <= resumed["step"]]
-    for epoch in range(24 * 32 // 128):
+    for epoch in range(16 * 32 // 128):
         seen = sorted(index for line in trace if line["epoch"] == epoch for index in line["indices"])
         assert seen == list(range(128)), f"epoch {epoch}: a sample is missing or repeated"
     recovery, parts = recovery_seconds(survivor, killed_at), recovery_parts(survivor, killed_at)
@@ -256,7 +257,8 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     """
     run_dir, slow = tmp_path / "run", tmp_path / "slow"
     slow.touch()  # slow steps until the second resume; the rest of the run goes at full speed
-    job = train_args(run_dir, 60, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05, slow), "--set",
+    # The second resume comes ~10 slow steps in; the rest (steps are CPU, sleeps are not) at full speed.
+    job = train_args(run_dir, 25, *fixed_batch(16, 8, 128, every_steps=1000), *slow_task(0.05, slow), "--set",
                      "checkpoint.resume=never", *EVERY_STEP)  # fmt: skip
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
@@ -271,34 +273,12 @@ def test_a3_a_survivors_snapshots_keep_the_jobs_lineage_through_a_later_worker_c
     slow.unlink()
     assert_ok(survivor, 120)
     result = summary(run_dir)
-    assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (1, 60), result
+    assert result["status"] == "completed" and (result["world_size"], result["global_step"]) == (1, 25), result
     steps = resumed_steps(survivor)
     assert len(steps) == 2 and steps[0] == first, (steps, logs(survivor))
     resumed = result["resumed_from"]
     assert resumed["source"] == "snapshot" and resumed["step"] == steps[1], resumed
     assert completed - 1 <= resumed["step"] <= completed + 1, (resumed, completed)  # a step at most
-
-
-def test_b2_a_killed_worker_restarts_both_nodes_into_one_world(
-    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
-) -> None:
-    """The node that lost a worker restarts as attempt 1, its peer (a membership change) as attempt 0.
-
-    Their workers must still meet: the store they share is fresh each round, so
-    nothing in it may be keyed on the per-agent restart count.
-    """
-    run_dir = tmp_path / "run"
-    job = train_args(run_dir, 40)
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
-    a.wait_for(r"\[rank [01]\].*\bstep 2\b", 120)
-    b.wait_for(r"\[rank [01]\].*\bstep 2\b", 30)
-    os.kill(worker_pids(b.proc.pid)[0], signal.SIGKILL)
-    for agent in (a, b):
-        assert_ok(agent, 120)
-    result = summary(run_dir)
-    assert result["world_size"] == 2 and result["global_step"] == 40
-    assert "attempt 1" in b.log() and "attempt 0" in a.log()
 
 
 def test_c_a_later_agent_joins_at_the_next_round(etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path) -> None:
@@ -340,16 +320,23 @@ def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
     etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path
 ) -> None:
     """Scale-up 1 -> 2 mid-run: the lone node checkpoints the step it is at, the world of 2 resumes there."""
-    run_dir = tmp_path / "run"
-    max_steps = 45  # ends mid-epoch (30 steps an epoch), every step a full 8 samples
-    # 8 samples a step: 2 micro-steps of 4 on one rank (0.1 s of sleep), then 1 on each of 2.
-    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240), *slow_task(0.05))
+    run_dir, slow = tmp_path / "run", tmp_path / "slow"
+    slow.touch()  # slow steps until the world of 2 trains; the rest (steps are CPU, sleeps are not) at full speed
+    max_steps = 30  # ends mid-epoch (20 steps an epoch), every step a full 8 samples
+    # 8 samples a step: 2 micro-steps of 4 on one rank (0.3 s of sleep: 7.5 s from step 5 to the last), then 1 on
+    # each of 2.
+    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 160), *slow_task(0.15, slow))
     gate = tmp_path / "go"
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, gate=gate)
     b.wait_for("gated agent ready", 60)
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job)
     a.wait_for(r"\[rank 0\] INFO step 5/", 120)
     gate.touch()  # the second node arrives while the world of 1 trains
+    deadline = time.monotonic() + 120
+    while not rank_steps((a, b), rank=1):  # rank 1 exists only in the world of 2
+        assert time.monotonic() < deadline and a.proc.poll() is None, logs(a, b)
+        time.sleep(0.05)
+    slow.unlink()
     for agent in (a, b):
         assert_ok(agent, 120)
     result = summary(run_dir)
@@ -368,24 +355,76 @@ def test_c2_a_second_node_joins_a_one_node_run_and_no_step_is_lost(
     print(f"the world of 1 stopped at step {step}; the world of 2 went on from it")
 
 
-def test_d_losing_an_etcd_member_mid_run_is_survived(
-    etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path
+# service/world/distributed.py, on every rank, then a training step: a world of ``{1}`` formed and trains.
+GROUP_TRAINS = r"(?s)INFO process group up: attempt {0} [^\n]*\bworld_size={1}\b.*\[rank \d+\] INFO step \d+/"
+
+
+def wait_in_log_after(agent: Agent, offset: int, pattern: str, timeout: float) -> None:
+    """Wait for ``pattern`` in the agent's log past its first ``offset`` characters (what it wrote since)."""
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, agent.log()[offset:]):
+        assert time.monotonic() < deadline and agent.proc.poll() is None, f"no /{pattern}/:\n{agent.log()[-4000:]}"
+        time.sleep(0.05)
+
+
+def test_d_a_signed_job_survives_a_killed_worker_forged_keys_a_lost_etcd_member_and_a_lost_node(
+    etcd_cluster: EtcdCluster, agents: AgentFactory, tmp_path: Path, run_id: str
 ) -> None:
-    run_dir = tmp_path / "run"
-    job = train_args(run_dir, 60)
-    # The clients use the first listed member, which the test then kills.
+    """Three events in one signed job (secret_file) of two 1-process nodes on a 3-member etcd cluster:
+
+    1. A killed worker: the node that lost it restarts as attempt 1, its peer (a membership change) as attempt 0.
+       Their workers must still meet: the store they share is fresh each round, so nothing in it may be keyed on
+       the per-agent restart count.
+    2. Issue 15, finding 6: `etcdctl put .../rdzv/closed x` and an unsigned key in a future round were obeyed (the
+       survivor of a later node loss exited with RendezvousClosedError) or fatal (both agents exited with
+       RecordError within 3 s). Both must be ignored with a warning, and the node loss (3) survived.
+    3. The etcd member the clients use first is killed: the agents go on, and the loss of a node after it (a
+       membership change, so a rendezvous on the 2 remaining members) is survived.
+    """
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-the-test-" + run_id + "\n")
+    run_dir, steps, conf, slow = tmp_path / "run", 45, f"secret_file={secret}", tmp_path / "slow"
+    slow.touch()  # slow steps until the survivor of the node loss trains; the rest at full speed
+    # The events take ~7 s of steps (and a restart) from step 2: about 25 steps of 0.3 s (a step's compute is CPU,
+    # its sleep is not).
+    job = train_args(run_dir, steps, *slow_task(0.3, slow), "--set", "checkpoint.every_steps=5")
+    # The clients use the first listed member, which the test kills in event 3.
     endpoints = etcd_cluster.endpoints
-    a = agents("127.0.0.2", endpoints, "1:2", 1, job, warm=True)
-    b = agents("127.0.0.3", endpoints, "1:2", 1, job, warm=True)
+    a = agents("127.0.0.2", endpoints, "1:2", 1, job, rdzv_conf=conf, warm=True)
+    b = agents("127.0.0.3", endpoints, "1:2", 1, job, rdzv_conf=conf, warm=True)
     a.wait_for(r"\[rank [01]\].*\bstep 2\b", 120)
+    b.wait_for(r"\[rank [01]\].*\bstep 2\b", 30)
+    # 1. a killed worker on b
+    peer_log_before = len(a.log())
+    os.kill(worker_pids(b.proc.pid)[0], signal.SIGKILL)
+    # One world of 2 again, b's workers as attempt 1 (a's as attempt 0, or 1 if they failed first), and it trains.
+    b.wait_for(GROUP_TRAINS.format(1, 2), 120)
+    wait_in_log_after(a, peer_log_before, GROUP_TRAINS.format(r"\d+", 2), 30)
+    assert "attempt 1" in b.log() and "attempt 0" in a.log()
+    # 2. forged keys
+    base = f"/torchelastic/etcd3/{run_id}/rdzv/"
+    etcdctl(endpoints, "put", base + "rounds/000000000099/evil", "x")
+    time.sleep(3)
+    assert a.proc.poll() is None and b.proc.poll() is None, f"a forged key was fatal:\n{logs(a, b)}"
+    etcdctl(endpoints, "put", base + "closed", "x")
+    time.sleep(1)
+    assert etcdctl(endpoints, "get", "--prefix", "--keys-only", base + "closed").strip() == ""
+    assert "evil" not in etcdctl(endpoints, "get", "--prefix", "--keys-only", base)
+    # 3. the first member lost, then a node
     etcd_cluster.members[0].kill()
     time.sleep(2)  # the agents poll etcd ~10 times a second meanwhile
-    assert a.proc.poll() is None and b.proc.poll() is None, a.log()[-3000:] + b.log()[-3000:]
+    assert a.proc.poll() is None and b.proc.poll() is None, logs(a, b)
     # A membership change now needs a rendezvous on the 2 remaining members.
+    log_before = {agent: len(agent.log()) for agent in (a, b)}
     _, survivor, _ = kill_rank0_node(a, b)
+    wait_in_log_after(survivor, log_before[survivor], GROUP_TRAINS.format(r"\d+", 1), 60)  # the world of 1 trains
+    slow.unlink()
     assert_ok(survivor, 120)
+    assert "ignored and deleted" in survivor.log(), survivor.log()[-3000:]
+    for error in ("RendezvousClosedError", "RecordError"):
+        assert error not in survivor.log(), survivor.log()[-3000:]
     result = summary(run_dir)
-    assert result["world_size"] == 1
+    assert result["world_size"] == 1 and result["global_step"] == steps and result["status"] == "completed", result
     assert result["restarts"] >= 1 or "Detected 1 new nodes" in survivor.log(), result  # see test_b
 
 
@@ -399,10 +438,11 @@ def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
     that step, and all workers exit 75. The signalled agent exits non-zero; the other restarts its
     worker, re-rendezvous alone and resumes from that very checkpoint at world size 1.
     """
-    run_dir = tmp_path / "run"
-    max_steps = 40  # ends mid-epoch (30 steps an epoch)
+    run_dir, slow = tmp_path / "run", tmp_path / "slow"
+    slow.touch()  # slow steps (0.1 s a micro-step) until the signalled agent exited; the rest at full speed
+    max_steps = 20  # ends mid-epoch (15 steps an epoch)
     # 8 samples a step: 1 micro-step of 4 on each of 2 ranks, then 2 on the one left.
-    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 240))
+    job = train_args(run_dir, max_steps, *fixed_batch(8, 4, 120), *slow_task(0.1, slow))
     a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, warm=True)
     b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, warm=True)
     for agent in (a, b):
@@ -411,6 +451,7 @@ def test_d2_sigterm_to_one_agent_checkpoints_and_the_other_finishes_alone(
     victim, survivor = (rank0_node, other_node) if signalled == "rank0_node" else (other_node, rank0_node)
     victim.sigterm()
     rc = victim.wait(60)  # well within torchrun's --shutdown-timeout (30 s) plus a step and a save
+    slow.unlink()
     assert rc != 0, f"the signalled agent exited {rc}:\n{victim.log()[-3000:]}"
     assert "SIGTERM received" in victim.log(), victim.log()[-3000:]
     assert_ok(survivor, 120)
@@ -455,11 +496,11 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
     The rerun joins the inherited lease with about 3 s of its 12 s left. Before the fix its first refresh came
     ttl / 3 = 4 s after joining: the lease expired under the running world, taking the round's seal with it,
     and both agents died with RunLostError ("the seal of its round ... was deleted"). (A shorter ttl would
-    leave too little time between its expiry and that refresh; the rerun's 26 or so steps, ~3 s after its
-    workers start, still outlast the inherited lease.)
+    leave too little time between its expiry and that refresh; the rerun's 12 or so steps of 0.3 s, ~4 s after
+    its workers start, still outlast the inherited lease.)
     """
-    run_dir, steps, conf = tmp_path / "run", 30, "ttl=12"
-    job = train_args(run_dir, steps, *slow_task(0.1))
+    run_dir, steps, conf = tmp_path / "run", 16, "ttl=12"
+    job = train_args(run_dir, steps, *slow_task(0.3))
     first = [agents(addr, etcd_server.endpoint, "2", 1, job, rdzv_conf=conf) for addr in ("127.0.0.2", "127.0.0.3")]
     # The rerun's agents start now and wait at their gate (before any rendezvous): their start-up (torch's import,
     # several seconds on a busy machine) must not eat the inherited lease's 12 s before the gate opens.
@@ -487,39 +528,6 @@ def test_d3_rerunning_a_preempted_job_works_when_its_lease_has_little_ttl_left(
     result = summary(run_dir)
     assert result["status"] == "completed" and result["global_step"] == steps, result
     assert result["resumed_from"] is not None, result
-
-
-def test_d4_unsigned_puts_on_a_signed_run_are_ignored_and_a_node_loss_is_survived(
-    etcd_server: EtcdMember, agents: AgentFactory, tmp_path: Path, run_id: str
-) -> None:
-    """Issue 15, finding 6: with secret_file set, `etcdctl put .../rdzv/closed x` and an unsigned key in a future
-    round were obeyed (the survivor of a later node loss exited with RendezvousClosedError) or fatal (both agents
-    exited with RecordError within 3 s). Both must be ignored with a warning, and the node loss survived."""
-    secret = tmp_path / "secret"
-    secret.write_text("a-secret-of-the-test-" + run_id + "\n")
-    run_dir, steps, conf, slow = tmp_path / "run", 80, f"secret_file={secret}", tmp_path / "slow"
-    slow.touch()  # slow steps until the survivor resumed after the node loss; the rest at full speed
-    job = train_args(run_dir, steps, *slow_task(0.1, slow), "--set", "checkpoint.every_steps=5")
-    a = agents("127.0.0.2", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
-    b = agents("127.0.0.3", etcd_server.endpoint, "1:2", 1, job, rdzv_conf=conf, warm=True)
-    a.wait_for(r"\[rank 0\] INFO step 3/", 120)
-    base = f"/torchelastic/etcd3/{run_id}/rdzv/"
-    etcdctl(etcd_server.endpoint, "put", base + "rounds/000000000099/evil", "x")
-    time.sleep(3)
-    assert a.proc.poll() is None and b.proc.poll() is None, f"a forged key was fatal:\n{logs(a, b)}"
-    etcdctl(etcd_server.endpoint, "put", base + "closed", "x")
-    time.sleep(1)
-    assert etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base + "closed").strip() == ""
-    assert "evil" not in etcdctl(etcd_server.endpoint, "get", "--prefix", "--keys-only", base)
-    victim, survivor = kill_rank0_node(a, b)[:2]
-    survivor.wait_for(r"\[rank 0\] INFO resuming from ", 60)
-    slow.unlink()
-    assert_ok(survivor, 120)
-    assert "ignored and deleted" in survivor.log(), survivor.log()[-3000:]
-    for error in ("RendezvousClosedError", "RecordError"):
-        assert error not in survivor.log(), survivor.log()[-3000:]
-    result = summary(run_dir)
-    assert result["status"] == "completed" and result["global_step"] == steps and result["world_size"] == 1, result
 
 
 def test_e_etcd_down_at_start_fails_fast_naming_the_endpoint(agents: AgentFactory) -> None:

@@ -408,8 +408,12 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
         ):
             assert time.monotonic() < deadline and etcd.poll() is None, (tmp_path / "etcd.log").read_text()[-3000:]
             time.sleep(0.2)
-        run_dir, steps = tmp_path / "run", 120
-        job = slow_job(run_dir, steps, 0.1)
+        # Steps of 0.3 s (a step's compute is CPU, its sleep is not) from the start to two keep-alive intervals
+        # (3 s) after the heal: 65 of them from step 5 take 19.5 s, past the cut's 10 s and those 6 s. The steps
+        # left then go at full speed.
+        run_dir, steps = tmp_path / "run", 70
+        slow, until = slowed(tmp_path)
+        job = slow_job(run_dir, steps, 0.3, *until)
         endpoint = f"{netns.etcd_ip}:2379"
         for ns, addr, dev in ((netns.a, netns.a_ip, netns.va), (netns.e, netns.b_ip, netns.ve)):
             monkeypatch.setattr(sys, "executable", _in_netns(tmp_path, ns, sys.executable.__str__()))
@@ -444,6 +448,8 @@ def test_partition_of_one_agent_from_etcd_for_10_s(
             time.sleep(0.1)
         steps_at_heal = max((s for _, _, s in a.step_times()), default=0)
         netns.heal()
+        time.sleep(2 * 3)  # A's keep-alives get through again while the job runs
+        slow.unlink()
         codes = [agent.wait(180) for agent in (a, b)]
         result = summary(run_dir) if (run_dir / "summary.json").exists() else {}
         restarted = [agent.local_addr for agent in (a, b) if RESTART_MARK.search(agent.log())]
