@@ -76,23 +76,22 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
 def test_accumulation_matches_the_unaccumulated_step_and_an_evaluation_is_exact_at_three_processes(
     tmp_path: Path,
 ) -> None:
-    """fp32: 4 micro-batches of 3 samples a rank, no_sync on the first 3, give the weights of one batch of 12 within
-    float rounding, equal on both ranks; at 3 processes (101 eval samples: shards of 33, 34, 34) the evaluation's
-    mean, count and gathered samples are the full set's exactly."""
-    weights = {}
-    for accum in (1, 4):
-        out = tmp_path / f"out{accum}"
-        sets = ("train.amp=off", f"train.grad_accum={accum}")
-        run_script(SCRIPT, 2, tmp_path / f"run{accum}", sets, (str(out), "6", "0"), str(REPO), start="warm")
-        found = results(out, 2)
-        assert found[0]["weights"] == found[1]["weights"]
-        weights[accum] = [torch.tensor(values) for values in found[0]["weights"]]
-    for one, four in zip(weights[1], weights[4], strict=True):
-        torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-6)
-
+    """fp32 at 3 processes: 4 micro-batches of 2 samples a rank, no_sync on the first 3, give the weights of one
+    unaccumulated batch of all 24 samples (a world of one: ``python SCRIPT``) within float rounding, equal on every
+    rank; and in the same run (101 eval samples: shards of 33, 34, 34) the evaluation's mean, count and gathered
+    samples are the full set's exactly."""
     out = tmp_path / "three"
-    run_script(SCRIPT, 3, tmp_path / "run3", ("train.amp=off",), (str(out), "2", "0"), str(REPO), start="warm")
-    assert_evaluated(results(out, 3), read_summary(tmp_path / "run3"))
+    sets = ("train.amp=off", "train.grad_accum=4")
+    run_script(SCRIPT, 3, tmp_path / "run3", sets, (str(out), "6", "0"), str(REPO), start="warm")
+    found = results(out, 3)
+    assert found[0]["weights"] == found[1]["weights"] == found[2]["weights"]
+    assert_evaluated(found, read_summary(tmp_path / "run3"))
+    one = tmp_path / "one"
+    run_script(SCRIPT, 1, tmp_path / "run1", ("train.amp=off", "train.grad_accum=1"), (str(one), "6", "0"), str(REPO),
+               start="alone")  # fmt: skip
+    reference = [torch.tensor(values) for values in results(one, 1)[0]["weights"]]
+    for accumulated, unaccumulated in zip(found[0]["weights"], reference, strict=True):
+        torch.testing.assert_close(torch.tensor(accumulated), unaccumulated, rtol=1e-5, atol=1e-6)
 
 
 def test_the_actor_critic_example_stops_every_rank_at_the_same_episode(tmp_path: Path) -> None:
