@@ -139,12 +139,14 @@ with open(f"{out}.rank{world.rank}", "w") as file:
 
 @pytest.mark.e2e
 def test_gradient_accumulation_all_reduces_once_per_optimizer_step(tmp_path: Path) -> None:
-    """With grad_accum=4, DDP reduces each bucket once per optimizer step (no_sync on the first 3 micro-steps)."""
+    """With grad_accum=4, DDP reduces each bucket once per optimizer step (no_sync on the first 3 micro-steps).
+    The script runs under ``ddp-service launch --script`` (workers forked from the fork server: conftest.STARTS),
+    the start being no part of this."""
     script = tmp_path / "comm_worker.py"
     script.write_text(_COMM_WORKER)
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(script), str(out), str(tmp_path / "run"), "4"]  # fmt: skip
+    cmd = [sys.executable, "-m", "service", "launch", "--standalone", "--nproc-per-node=2", "--script", str(script),
+           "--", str(out), str(tmp_path / "run"), "4"]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:]

@@ -1,7 +1,8 @@
 """The three ported examples (examples/*.yaml) under real torchrun at 2 processes, each through a preemption.
 
 Each example runs its own YAML twice at once: straight through, and under a
-torchrun agent allowed one restart, whose rank-1 worker gets SIGTERM at step 3
+torchrun agent allowed one restart (mnist's under plain torchrun, the others' under
+``ddp-service launch``: PREEMPTED_START), whose rank-1 worker gets SIGTERM at step 3
 (a preemption notice reaching one process; it sends it itself, through
 tests/tasks/example_signal.py, because a test that reads the log and then
 signals can lag the whole of a 40-step run of 25 ms steps on a loaded machine). Every rank stops at the
@@ -28,6 +29,10 @@ EXAMPLES = REPO / "examples"
 LEARNS = {"mnist": ("accuracy", 0.3), "nanogpt": ("accuracy", 0.15), "word_lm": ("accuracy", 0.5)}
 # Each example's task, and the samples one rank fetches per optimizer step (batch_size x grad_accum).
 TASKS = {"mnist": ("mnist_cnn:build", 8), "nanogpt": ("nanogpt_char:build", 16), "word_lm": ("word_lm:build", 8)}
+# How each example's preempted run starts (conftest.STARTS): one under plain torchrun, its workers and their
+# restart cold (new interpreters), as its users run it; the other two under ``ddp-service launch`` (the same torchrun
+# agent and restart, the workers forked), as every reference run, the example's own step being what they test.
+PREEMPTED_START = {"mnist": "cold", "nanogpt": "warm", "word_lm": "warm"}
 
 
 def start(run_dir, name: str, *launcher: str, overrides: tuple[str, ...] = (), how: str = "cold") -> subprocess.Popen:
@@ -56,8 +61,8 @@ def finished(proc: subprocess.Popen, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize("name", ["mnist", "nanogpt", "word_lm"])
 def test_example_trains_and_a_preempted_run_resumes_to_the_same_weights(tmp_path, name):
-    straight = start(tmp_path / "straight", name, how="warm")  # the reference; the preempted run is torchrun's
-    run = start(tmp_path / "run", name, "--max-restarts=1", overrides=signalled_at(3, name))
+    straight = start(tmp_path / "straight", name, how="warm")  # the reference
+    run = start(tmp_path / "run", name, "--max-restarts=1", overrides=signalled_at(3, name), how=PREEMPTED_START[name])
     output = finished(run)
     straight_out = finished(straight)
     assert straight.returncode == 0, straight_out[-4000:]

@@ -9,13 +9,17 @@ step), ``s.main_first``, ``s.print`` and ``s.global_step``.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, read_summary
-from test_session_e2e import preempt_and_rerun, replica_digests, run_script
+from conftest import REPO, kill_group, read_summary
+from procs import worker_pids
+from test_resume_e2e import finish
+from test_session_e2e import replica_digests, run_script, script_cmd, watch_with
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +45,13 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
 ) -> None:
     """fp16 on CPU with the gradient scaler (its first steps overflow and are skipped, so its scale moves), 4
     micro-batches a step, data drawn from a kept numpy Generator in s.steps(12): SIGTERM to one worker after step 6,
-    a rerun, and the uninterrupted digest; the checkpoint holds the scaler's lowered scale; both replicas equal."""
+    its agent's restart of both (the same command, resumed: workers that exit 75 are started again), and the
+    uninterrupted digest; the checkpoint holds the scaler's lowered scale; both replicas equal. The uninterrupted
+    run is the script under plain torchrun, as its users start it (cold: every worker a new interpreter); the
+    preempted one runs under ``ddp-service launch --script`` (its workers and their restart forked)."""
     sets = ("train.amp=fp16", "train.grad_accum=4", "train.log_every=1", "logging.all_ranks=true")
     out = tmp_path / "straight-out"
-    output = run_script(SCRIPT, 2, tmp_path / "straight", sets, (str(out), str(STEPS), "0.15"), str(REPO),
-                        start="warm")  # fmt: skip
+    output = run_script(SCRIPT, 2, tmp_path / "straight", sets, (str(out), str(STEPS), "0.15"), str(REPO))
     straight = read_summary(tmp_path / "straight")
     assert straight["status"] == "completed" and straight["global_step"] == STEPS, output[-3000:]
     assert straight["grad_accum"] == 4
@@ -63,36 +69,58 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
     assert 0 < scaler["scale"] < 65536.0, scaler  # lowered from the initial 2**16, and kept
 
     args = (str(tmp_path / "run-out"), str(STEPS), "0.15")
-    first, resumed, text = preempt_and_rerun(SCRIPT, tmp_path / "run", sets, args, str(REPO), at=6)
-    assert first["stopped_at_step"] < STEPS, text[-3000:]
-    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == first["stopped_at_step"]
+    stopped, resumed, text = preempt_and_restart(tmp_path / "run", sets, args, at=6)
+    assert stopped < STEPS, text[-3000:]
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] == stopped
     assert resumed["model_digest"] == straight["model_digest"], text[-4000:]
     again = results(tmp_path / "run-out", 2)
-    assert [rank["started_at"] for rank in again] == [first["stopped_at_step"]] * 2  # s.global_step, restored
-    assert again[0]["indices"] == list(range(first["stopped_at_step"], STEPS))
+    assert [rank["started_at"] for rank in again] == [stopped] * 2  # s.global_step, restored
+    assert again[0]["indices"] == list(range(stopped, STEPS))
     assert again[0]["weights"] == found[0]["weights"]
+
+
+def preempt_and_restart(run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], at: int
+                        ) -> tuple[int, dict, str]:  # fmt: skip
+    """The script under ``ddp-service launch --script --max-restarts=1``: SIGTERM to rank 1 once rank 0 logged step
+    ``at``; every rank stops at one step (rank 0 checkpoints it), the workers exit 75, and the agent starts them again
+    to the end. (The step it stopped at, the summary, the output.)"""
+    proc, watcher = watch_with(script_cmd(SCRIPT, 2, run_dir, sets, args, restarts=1, start="warm"), str(REPO))
+    try:
+        watcher.wait_for(rf"\[rank 0\] INFO step {at}/", timeout=180)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
+        assert finish(proc, watcher, timeout=180) == 0, watcher.text()[-4000:]
+    finally:
+        kill_group(proc)
+    text = watcher.text()
+    assert re.search(r"\[rank [01]\] WARNING SIGTERM received", text), text[-4000:]
+    found = re.search(r"\[rank \d\] INFO done: preempted at step (\d+)", text)  # the first start's summary
+    assert found, text[-4000:]
+    stopped = int(found.group(1))
+    assert stopped >= at and re.search(r"(?i)exitcode\W+75", text), text[-4000:]  # the agent saw "preempted"
+    summary = read_summary(run_dir)
+    assert summary["restarts"] == 1, summary
+    return stopped, summary, text
 
 
 def test_accumulation_matches_the_unaccumulated_step_and_an_evaluation_is_exact_at_three_processes(
     tmp_path: Path,
 ) -> None:
-    """fp32: 4 micro-batches of 3 samples a rank, no_sync on the first 3, give the weights of one batch of 12 within
-    float rounding, equal on both ranks; at 3 processes (101 eval samples: shards of 33, 34, 34) the evaluation's
-    mean, count and gathered samples are the full set's exactly."""
-    weights = {}
-    for accum in (1, 4):
-        out = tmp_path / f"out{accum}"
-        sets = ("train.amp=off", f"train.grad_accum={accum}")
-        run_script(SCRIPT, 2, tmp_path / f"run{accum}", sets, (str(out), "6", "0"), str(REPO), start="warm")
-        found = results(out, 2)
-        assert found[0]["weights"] == found[1]["weights"]
-        weights[accum] = [torch.tensor(values) for values in found[0]["weights"]]
-    for one, four in zip(weights[1], weights[4], strict=True):
-        torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-6)
-
+    """fp32 at 3 processes: 4 micro-batches of 2 samples a rank, no_sync on the first 3, give the weights of one
+    unaccumulated batch of all 24 samples (a world of one: ``python SCRIPT``) within float rounding, equal on every
+    rank; and in the same run (101 eval samples: shards of 33, 34, 34) the evaluation's mean, count and gathered
+    samples are the full set's exactly."""
     out = tmp_path / "three"
-    run_script(SCRIPT, 3, tmp_path / "run3", ("train.amp=off",), (str(out), "2", "0"), str(REPO), start="warm")
-    assert_evaluated(results(out, 3), read_summary(tmp_path / "run3"))
+    sets = ("train.amp=off", "train.grad_accum=4")
+    run_script(SCRIPT, 3, tmp_path / "run3", sets, (str(out), "6", "0"), str(REPO), start="warm")
+    found = results(out, 3)
+    assert found[0]["weights"] == found[1]["weights"] == found[2]["weights"]
+    assert_evaluated(found, read_summary(tmp_path / "run3"))
+    one = tmp_path / "one"
+    run_script(SCRIPT, 1, tmp_path / "run1", ("train.amp=off", "train.grad_accum=1"), (str(one), "6", "0"), str(REPO),
+               start="alone")  # fmt: skip
+    reference = [torch.tensor(values) for values in results(one, 1)[0]["weights"]]
+    for accumulated, unaccumulated in zip(found[0]["weights"], reference, strict=True):
+        torch.testing.assert_close(torch.tensor(accumulated), unaccumulated, rtol=1e-5, atol=1e-6)
 
 
 def test_the_actor_critic_example_stops_every_rank_at_the_same_episode(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 Under ``train.amp: fp16`` the scaled loss's gradient overflows float16 in backward at the step that trains
 that sample, so the gradient scaler skips the step and halves its scale. The sample is the one at
 ``task_options.position`` of epoch 0's shuffled order (the service's sampler, seed 0): with a global
-batch of 16, position 32 is in step 3. Tied to a sample, not to a count of forwards, it recurs after a
-resume exactly where it would have without one.
+batch of 16, position 32 is in step 3 (a list of positions marks one sample at each: ``[32, 64]``, steps 3
+and 5). Tied to a sample, not to a count of forwards, it recurs after a resume exactly where it would have
+without one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def huge_loss_at(spec: TaskSpec) -> Task:
     train_set, eval_set = load_digits_split(spec.seed, 0.2)
     inputs, targets = train_set.tensors
     inputs = inputs.clone()
-    inputs[permutation(len(inputs), spec.seed, 0)[int(spec.option("position", 32))], 0] = -1.0  # digits are >= 0
+    positions = spec.option("position", 32)
+    order = permutation(len(inputs), spec.seed, 0)
+    for position in positions if isinstance(positions, list) else [positions]:
+        inputs[order[int(position)], 0] = -1.0  # digits are >= 0
     model = HugeOnMarked()
     cross_entropy = nn.CrossEntropyLoss()
 
