@@ -57,15 +57,16 @@ def dead_pid() -> int:
 def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
     run_dir, slow = tmp_path / "run", tmp_path / "slow"
     slow.touch()  # the first job's steps sleep until the second one was refused, then go at full speed
-    job = (*SLOW, "train.max_steps=300", "train.epochs=10", "task_options.sleep=0.05",
+    # 100 steps of 0.3 s: 30 s for the refusal (a sleep costs no CPU), and few steps left at full speed after it.
+    job = (*SLOW, "train.max_steps=100", "train.epochs=10", "task_options.sleep=0.3",
            f"task_options.sleep_while={slow}")  # fmt: skip
-    first, watcher = start(run_dir, 1, *job)
+    first, watcher = start(run_dir, 1, *job)  # torchrun's: its worker's environment names the run id
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 2/", timeout=120)
         holder = worker_pids(first.pid)[0]
         run_id = environ_of(holder)["TORCHELASTIC_RUN_ID"]
         started = time.monotonic()
-        second = run_job(run_dir, 1, *job, expect_ok=False, timeout=90)
+        second = run_job(run_dir, 1, *job, expect_ok=False, timeout=90, start="alone")  # the lock is the trainer's
         took = time.monotonic() - started
         assert second.returncode != 0
         for needle in ("RunDirLockedError", f"pid {holder} on host {socket.gethostname()!r}", f"run id {run_id!r}",
@@ -78,7 +79,7 @@ def test_a_second_job_on_the_same_run_dir_fails_fast_naming_the_first(tmp_path):
     finally:
         kill_group(first)
     summary = read_summary(run_dir)
-    assert summary["status"] == "completed" and summary["global_step"] == 300  # the first job's, untouched
+    assert summary["status"] == "completed" and summary["global_step"] == 100  # the first job's, untouched
     assert not (run_dir / LOCK_NAME).exists()  # released on exit
 
 
@@ -208,11 +209,16 @@ def test_twenty_preemptions_in_a_row_each_end_75_and_leave_no_stale_lock(tmp_pat
     cmd = [sys.executable, "-m", "service", "launch", "--standalone", "--nproc-per-node=2", "--max-restarts=19"]
     proc, watcher = watch([*cmd, *(item for override in sets for item in ("--set", override))])
     signalled: list[int] = []
+    rank1, listed = None, set()
     try:
         for attempt in range(20):
             deadline = time.monotonic() + 60
             while True:
-                rank1 = worker_pids(proc.pid).get(1)
+                # The process tree is read again whenever a process came or went (a cheap listing of /proc each
+                # 10 ms, where a read of the whole tree each time cost the test ~4 s of CPU); the handler each time.
+                listing = {name for name in os.listdir("/proc") if name.isdigit()}
+                if listing != listed:
+                    rank1, listed = worker_pids(proc.pid).get(1), listing
                 if rank1 and rank1 not in signalled and catches(rank1, signal.SIGTERM):
                     break
                 assert time.monotonic() < deadline and proc.poll() is None, f"start {attempt}: {watcher.text()[-3000:]}"

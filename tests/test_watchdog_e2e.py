@@ -89,8 +89,9 @@ def test_a_survivor_signalled_while_stuck_in_a_collective_leaves_in_seconds(tmp_
     down). Rank 0's main thread is blocked in gloo and never runs its handler; the watchdog sees the signal
     through the wakeup fd, finds rank 1 silent, and exits within seconds instead of the 30 s shutdown timeout."""
     run_dir = tmp_path / "run"
+    # Warm (ddp-service launch: the same torchrun agent, its workers forked): what is tested is the worker's watchdog.
     proc, watcher = start(run_dir, 2, *SLOW, "train.max_steps=200", "train.epochs=100", "task_options.sleep=0.04",
-                          launcher=("--standalone", "--max-restarts=0"))  # fmt: skip
+                          launcher=("--standalone", "--max-restarts=0"), start="warm")  # fmt: skip
     try:
         watcher.wait_for(r"\[rank 0\] INFO step 6/", timeout=120)
         victims = worker_pids(proc.pid)
@@ -119,6 +120,8 @@ def test_a_rank_looping_in_its_forward_is_named_alone_and_a_last_attempt_leaves_
     restart left (--max-restarts=0), the watchdog's exit (os._exit, past the loop's clean-up) removes the node's
     in-memory snapshots: nothing would read them."""
     shm = tmp_path / "shm"
+    # Cold: under ddp-service launch the agent removes the node's snapshots at its end, which would hide a worker
+    # that leaves them behind.
     done = run_job(tmp_path / "run", 2, *SLOW, "train.max_steps=50", "train.epochs=10", "task_options.sleep=0.02",
                    "task_options.long_step_at=6", "task_options.long_step_seconds=600",
                    "task_options.long_step_ranks=[1]", f"dist.hang_timeout_seconds={HANG_TIMEOUT}",
