@@ -88,6 +88,9 @@ class EtcdAuthError(EtcdError):
     """etcd refused a login, or the user lacks permission for the request."""
 
 
+_COMPACTED_REREADS = 5  # reads of several ranges at one revision, each overtaken by a compaction, before giving up
+
+
 class WatchCompactedError(EtcdError):
     """A watch asked for revisions that etcd has already compacted away: read afresh and watch again."""
 
@@ -171,19 +174,20 @@ class EtcdClient:
 
         Range requests, the first one's revision pinned for the others, never a read-only transaction: etcd 3.5.0
         and 3.5.1 panic and exit when a read-only transaction runs out of its deadline (fixed in 3.5.2), which a
-        busy etcd meets in a mass start.
+        busy etcd meets in a mass start. A compaction past the pinned revision between two of them (etcd's own
+        periodic one, or an operator's) refuses the later ones as compacted: they are all read again, from a new
+        first read.
         """
 
         def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[int, list[list[Any]]]:
-            revision, found = 0, []
-            for read in reads:
-                request = read.request()
-                if revision:
-                    request.revision = revision
-                response = c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-                revision = revision or int(response.header.revision)
-                found.append(list(response.kvs))
-            return revision, found
+            attempt = 0
+            while True:
+                try:
+                    return _ranges_at_one_revision(c, reads)
+                except grpc.RpcError as exc:  # (only a pinned read can be refused as compacted)
+                    attempt += 1
+                    if attempt == _COMPACTED_REREADS or _code_and_details(exc)[0] != grpc.StatusCode.OUT_OF_RANGE:
+                        raise
 
         return self.call(op, what)
 
@@ -407,6 +411,21 @@ def prefix_end(prefix: bytes) -> bytes:
             data[i] += 1
             return bytes(data[: i + 1])
     return b"\x00"
+
+
+def _ranges_at_one_revision(
+    c: pyetcd.MultiEndpointEtcd3Client, reads: Sequence[RangeRead]
+) -> tuple[int, list[list[Any]]]:
+    """Each read as one Range request, the first one's revision pinned for the others."""
+    revision, found = 0, []
+    for read in reads:
+        request = read.request()
+        if revision:
+            request.revision = revision
+        response = c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+        revision = revision or int(response.header.revision)
+        found.append(list(response.kvs))
+    return revision, found
 
 
 def _code_and_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

@@ -6,6 +6,7 @@ the 64-node round); the rules of ``rounds.py`` also get a property test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from service.rendezvous.client import EtcdClient
+from service.rendezvous.client import EtcdClient, EtcdError
 from service.rendezvous.factory import build_handler
 from service.rendezvous.lease import NodeLease, RunLostError
 from service.rendezvous.native.ranges import Entry
@@ -35,6 +36,7 @@ from service.rendezvous.native.records import ClosedRecord, Layout, NodeRecord, 
 from service.rendezvous.native.rounds import read_rank, seal_due, try_join, try_seal, view_round
 from service.rendezvous.options import parse_options
 from service.rendezvous.ports import ephemeral_range
+from service.rendezvous.requests import RangeRead
 
 from .conftest import REPO, EtcdMember, wait_healthy
 
@@ -302,6 +304,51 @@ def test_a_node_that_dies_leaves_within_the_lease_ttl_and_steady_state_writes_no
     wait_until(lambda: b.num_nodes_waiting() >= 1, ttl + 10)
     seen = time.monotonic() - died
     assert seen <= ttl + 1.5, f"the departure was seen {seen:.2f} s after the node died; its lease TTL is {ttl} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class _CompactingRead(RangeRead):
+    """A read whose request, as it is built, has etcd compact up to its newest revision first (through a second
+    client), while ``compactions`` lasts: the compaction lands between two reads of one ``read_ranges``."""
+
+    endpoint: str = ""
+    compactions: list[int] = dataclasses.field(default_factory=lambda: [1])
+
+    def request(self) -> Any:
+        if self.compactions[0] > 0:
+            self.compactions[0] -= 1
+            other = client_for(self.endpoint)
+            try:
+                other.call(lambda c: c.put("/compacting/bump", "x"), "writing")
+                revision = other.list_prefix(b"/nothing/", "revision")[0]
+                other.call(lambda c: c.compact(revision, physical=True), "compacting")
+            finally:
+                other.close()
+        return super().request()
+
+
+@pytest.mark.e2e
+def test_reads_at_one_revision_overtaken_by_a_compaction_are_read_again_and_a_compaction_each_time_is_named(
+    etcd_private: EtcdMember,
+) -> None:
+    """CI, once: an etcd restart's re-read of the rendezvous keys met a compaction between its first read and the
+    next, pinned to the first one's revision; etcd refused that one (OUT_OF_RANGE, compacted), and the handler
+    failed with it. All are read again from a new first read; a compaction before every second read fails by name."""
+    client = client_for(etcd_private.endpoint)
+    try:
+        client.call(lambda c: c.put("/t/a", "1"), "writing")
+        client.call(lambda c: c.put("/t/b", "2"), "writing")
+        compacting = _CompactingRead(b"/t/b", endpoint=etcd_private.endpoint)
+        revision, found = client.read_ranges([RangeRead(b"/t/a"), compacting], "reading")
+        assert compacting.compactions == [0]  # the compaction came between the two reads
+        assert [[(kv.key, kv.value) for kv in kvs] for kvs in found] == [[(b"/t/a", b"1")], [(b"/t/b", b"2")]]
+        assert revision == client.list_prefix(b"/nothing/", "revision")[0]  # read after the compaction
+        always = _CompactingRead(b"/t/b", endpoint=etcd_private.endpoint, compactions=[100])
+        with pytest.raises(EtcdError, match="OUT_OF_RANGE.*compacted"):
+            client.read_ranges([RangeRead(b"/t/a"), always], "reading")
+        assert always.compactions == [95]  # five reads, each overtaken
+    finally:
+        client.close()
 
 
 @pytest.mark.e2e
