@@ -107,13 +107,15 @@ def preempt_and_rerun(script: Path, run_dir: Path, sets: tuple[str, ...], args: 
 
 
 def kill_and_restart(script: Path, run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], pythonpath: str,
-                     at: int) -> tuple[dict, str]:  # fmt: skip
-    """Start under --max-restarts=1, SIGKILL rank 1 once rank 0 logged step ``at``: torchrun restarts both workers
-    in place, and they resume from the node's in-memory snapshot (no disk checkpoint but the end's)."""
-    proc, watcher = watch_with(script_cmd(script, 2, run_dir, sets, args, restarts=1), pythonpath)
+                     at: int, sig: signal.Signals = signal.SIGKILL, start: str = "cold"
+                     ) -> tuple[dict, str]:  # fmt: skip
+    """Start under --max-restarts=1, send rank 1 ``sig`` once rank 0 logged step ``at``; the agent restarts both
+    workers in place. SIGKILL: they resume from the node's in-memory snapshot (no disk checkpoint but the end's);
+    SIGTERM: every rank stops at one step, rank 0 checkpoints it, the workers exit 75, and they resume from it."""
+    proc, watcher = watch_with(script_cmd(script, 2, run_dir, sets, args, restarts=1, start=start), pythonpath)
     try:
         watcher.wait_for(rf"\[rank 0\] INFO step {at}/", timeout=180)
-        os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+        os.kill(worker_pids(proc.pid)[1], sig)
         assert finish(proc, watcher, timeout=180) == 0, watcher.text()[-4000:]
     finally:
         kill_group(proc)

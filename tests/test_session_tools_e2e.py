@@ -9,17 +9,14 @@ step), ``s.main_first``, ``s.print`` and ``s.global_step``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, kill_group, read_summary
-from procs import worker_pids
-from test_resume_e2e import finish
-from test_session_e2e import replica_digests, run_script, script_cmd, watch_with
+from conftest import REPO, read_summary
+from test_session_e2e import kill_and_restart, replica_digests, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -81,24 +78,14 @@ def test_fp16_accumulated_steps_without_a_dataset_resume_bit_exact_with_the_scal
 
 def preempt_and_restart(run_dir: Path, sets: tuple[str, ...], args: tuple[str, ...], at: int
                         ) -> tuple[int, dict, str]:  # fmt: skip
-    """The script under ``ddp-service launch --script --max-restarts=1``: SIGTERM to rank 1 once rank 0 logged step
-    ``at``; every rank stops at one step (rank 0 checkpoints it), the workers exit 75, and the agent starts them again
-    to the end. (The step it stopped at, the summary, the output.)"""
-    proc, watcher = watch_with(script_cmd(SCRIPT, 2, run_dir, sets, args, restarts=1, start="warm"), str(REPO))
-    try:
-        watcher.wait_for(rf"\[rank 0\] INFO step {at}/", timeout=180)
-        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
-        assert finish(proc, watcher, timeout=180) == 0, watcher.text()[-4000:]
-    finally:
-        kill_group(proc)
-    text = watcher.text()
+    """The script under ``ddp-service launch --script --max-restarts=1``, SIGTERM to rank 1 at step ``at``
+    (``kill_and_restart``): the step it stopped at, the summary, the output."""
+    summary, text = kill_and_restart(SCRIPT, run_dir, sets, args, str(REPO), at, sig=signal.SIGTERM, start="warm")
     assert re.search(r"\[rank [01]\] WARNING SIGTERM received", text), text[-4000:]
     found = re.search(r"\[rank \d\] INFO done: preempted at step (\d+)", text)  # the first start's summary
     assert found, text[-4000:]
     stopped = int(found.group(1))
     assert stopped >= at and re.search(r"(?i)exitcode\W+75", text), text[-4000:]  # the agent saw "preempted"
-    summary = read_summary(run_dir)
-    assert summary["restarts"] == 1, summary
     return stopped, summary, text
 
 
