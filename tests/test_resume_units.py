@@ -49,6 +49,7 @@ from service.state.checkpoint_io import (
     write_checkpoint,
 )
 from service.state.loop_state import LoopState
+from service.state.preemption import Preemption
 from service.state.resume import config_hash, incompatible_fields
 
 HASH = config_hash(JobConfig())
@@ -930,20 +931,25 @@ def test_stop_here_agrees_at_once_and_the_agreement_is_local_until_connected():
         watch.close()
 
 
-def test_a_check_soon_after_another_times_the_steps_between_them_not_the_agreed_interval():
-    """An evaluation's check 3 steps after a check that agreed on 10 steps of 10 ms: it proposes 10 again. Timed
-    over the 10 agreed steps instead, the 3 steps looked 3 ms each and it proposed 34, so a short run's last 30 steps
-    had no check and a SIGTERM in them let the job complete instead of stopping (the TBPTT session test, now and
-    then: eval at each epoch's end, about 60 steps in all)."""
-    from service.state.preemption import Preemption
-
-    now, proposals = [0.0], []
+def proposing_watch(interval: float) -> tuple[Preemption, list[float], list[int]]:
+    """A ``Preemption`` on a clock the test moves (``now[0]``), whose checks agree at once on what it proposed
+    (each proposal recorded in ``proposals``)."""
+    now: list[float] = [0.0]
+    proposals: list[int] = []
 
     def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
         proposals.append(proposal)
         return lambda: (local, proposal)
 
-    watch = Preemption(agree, interval=0.1, clock=lambda: now[0], signals=())
+    return Preemption(agree, interval=interval, clock=lambda: now[0], signals=()), now, proposals
+
+
+def test_a_check_soon_after_another_times_the_steps_between_them_not_the_agreed_interval():
+    """An evaluation's check 3 steps after a check that agreed on 10 steps of 10 ms: it proposes 10 again. Timed
+    over the 10 agreed steps instead, the 3 steps looked 3 ms each and it proposed 34, so a short run's last 30 steps
+    had no check and a SIGTERM in them let the job complete instead of stopping (the TBPTT session test, now and
+    then: eval at each epoch's end, about 60 steps in all)."""
+    watch, now, proposals = proposing_watch(interval=0.1)
     try:
         now[0] += 0.01
         assert watch.stop_now() is None and proposals == [10]
@@ -961,15 +967,7 @@ def test_a_quick_evaluation_after_a_check_does_not_put_the_next_check_steps_away
     """Steps of 0.3 s check at every boundary; an evaluation of 5 ms right after a check used to be timed as a step
     of 5 ms, so it proposed 20 steps to the next check, and a SIGTERM during those (a world of one in the resize
     test, now and then) let the run complete instead of stopping at the next boundary."""
-    from service.state.preemption import Preemption
-
-    now, proposals = [0.0], []
-
-    def agree(local: int, proposal: int):  # noqa: ANN202 - starts the check; the call it returns reads it
-        proposals.append(proposal)
-        return lambda: (local, proposal)
-
-    watch = Preemption(agree, interval=0.1, clock=lambda: now[0], signals=())
+    watch, now, proposals = proposing_watch(interval=0.1)
     try:
         now[0] += 0.3
         assert watch.stop_now() is None and proposals == [1]
